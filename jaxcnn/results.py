@@ -1,0 +1,125 @@
+"""Result files: `<run>.json` (one object) and `<run>.csv` (one row per epoch), per DESIGN.
+
+Files are written to a temporary name and renamed into place, so a failed or interrupted
+run never leaves a half-written result over a good one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from jaxcnn.errors import UserError
+
+EPOCH_COLUMNS = [
+    "epoch",
+    "step",
+    "train_loss",
+    "train_accuracy",
+    "test_loss",
+    "test_accuracy",
+    "epoch_seconds",
+    "images_per_second",
+    "input_wait_fraction",
+]
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]*")
+
+
+def check_run_name(name: str) -> str:
+    if not RUN_NAME.fullmatch(name):
+        raise UserError(f"--run-name {name!r} must be letters, digits, '.', '_', '-', '=' (no spaces or slashes)")
+    return name
+
+
+def ensure_writable_dir(path: str | Path) -> Path:
+    """Create the results directory if needed and prove it is writable, before any work."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise UserError(
+            f"results directory {path} cannot be written ({err.strerror}); pass a writable --results-dir"
+        ) from None
+    return path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _plain(value):
+    """numpy scalars/arrays -> JSON-ready Python values."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def write_json(path: str | Path, record: dict) -> Path:
+    path = Path(path)
+    _atomic_write(path, json.dumps(_plain(record), indent=2) + "\n")
+    return path
+
+
+def write_csv(path: str | Path, rows: Iterable[dict], columns: list[str] | None = None) -> Path:
+    path = Path(path)
+    frame = pd.DataFrame(list(rows), columns=columns)
+    _atomic_write(path, frame.to_csv(index=False))
+    return path
+
+
+def write_run(results_dir: Path, run_name: str, record: dict, epoch_rows: list[dict]) -> tuple[Path, Path]:
+    json_path = write_json(results_dir / f"{run_name}.json", record)
+    csv_path = write_csv(results_dir / f"{run_name}.csv", epoch_rows, EPOCH_COLUMNS)
+    return json_path, csv_path
+
+
+def write_submission(path: str | Path, predictions: np.ndarray) -> Path:
+    """Kaggle's submission format: ImageId (from 1), Label."""
+    frame = pd.DataFrame({"ImageId": np.arange(1, len(predictions) + 1), "Label": predictions.astype(int)})
+    path = Path(path)
+    _atomic_write(path, frame.to_csv(index=False))
+    return path
+
+
+def summary_text(record: dict) -> str:
+    """The one-screen summary printed at the end of a run."""
+
+    def pct(x):
+        return "n/a (no labels)" if x is None else f"{100 * x:.2f}%"
+
+    mesh = ",".join(f"{k}={v}" for k, v in record["mesh"].items())
+    lines = [
+        f"model           {record['model']} ({record['num_params']:,} parameters)",
+        f"layout          {record['layout']}  mesh {mesh}  ({record['num_devices']} x {record['device_kind']}"
+        f"{', simulated' if record.get('simulated_devices') else ''}; {record['num_processes']} process(es))",
+        f"training        {record['steps']} steps x batch {record['global_batch_size']}, final loss "
+        f"{record['loss_history'][-1]:.4f}",
+        f"test accuracy   {pct(record['test_accuracy'])}"
+        + (f"  (loss {record['test_loss']:.4f})" if record["test_loss"] is not None else ""),
+        f"throughput      {record['images_per_second']:,.0f} images/s (steady state), "
+        f"input wait {100 * record['input_wait_fraction']:.1f}%",
+        f"time            {record['wall_seconds']:.1f} s wall, {record['compile_seconds']:.1f} s compile",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""Logical axis names: the only axis names model code may use.
+
+A layout maps these to mesh axes; the model never names `data` or `model` itself.
+Parameter and activation names are kept apart so that a rule for one cannot
+silently move the other (the MaxText convention).
+"""
+
+# Parameters. Conv kernels are HWIO: (kh, kw, conv_in, conv_out).
+KH = "kh"
+KW = "kw"
+CONV_IN = "conv_in"
+CONV_OUT = "conv_out"
+EMBED = "embed"  # dense kernel input dim
+MLP = "mlp"  # dense kernel output dim (hidden layers)
+CLASSES = "classes"  # output layer's output dim
+NORM = "norm"  # normalisation scale / bias / running statistics
+
+PARAM_AXES = (KH, KW, CONV_IN, CONV_OUT, EMBED, MLP, CLASSES, NORM)
+
+# Activations.
+BATCH = "batch"
+HEIGHT = "height"
+WIDTH = "width"
+CHANNELS = "channels"
+FEATURES = "features"
+
+ACTIVATION_AXES = (BATCH, HEIGHT, WIDTH, CHANNELS, FEATURES)
+
+LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
+
+# Mesh axes a layout may use.
+DATA = "data"
+MODEL = "model"
+SPATIAL = "spatial"
+STAGE = "stage"
+
+MESH_AXES = (DATA, MODEL, SPATIAL, STAGE)
+
+# Shorthands for the annotations the model attaches.
+CONV_KERNEL = (KH, KW, CONV_IN, CONV_OUT)
+IMAGE_BHWC = (BATCH, HEIGHT, WIDTH, CHANNELS)
+FEATURES_BF = (BATCH, FEATURES)

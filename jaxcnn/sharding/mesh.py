@@ -1,0 +1,127 @@
+"""Mesh flags ("data=4,model=2") -> a `jax.sharding.Mesh`, and simulated CPU devices."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxcnn.errors import UserError
+from jaxcnn.sharding.axes import MESH_AXES
+
+MeshShape = dict[str, int]
+
+
+def parse_mesh(text: str) -> MeshShape:
+    """Parse "data=4,model=2" into an ordered {axis: size}; one size may be -1 (fill)."""
+    shape: MeshShape = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, size_text = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise UserError(f"mesh entry {item!r} has no size; write it as AXIS=SIZE, e.g. data=4")
+        if name not in MESH_AXES:
+            raise UserError(f"unknown mesh axis {name!r}; use one of {', '.join(MESH_AXES)}")
+        if name in shape:
+            raise UserError(f"mesh axis {name!r} is given twice in {text!r}")
+        try:
+            size = int(size_text)
+        except ValueError:
+            raise UserError(f"mesh axis {name!r} has size {size_text!r}; use a positive integer or -1") from None
+        if size == 0 or size < -1:
+            raise UserError(f"mesh axis {name!r} has size {size}; use a positive integer or -1")
+        shape[name] = size
+    if not shape:
+        raise UserError(f"mesh {text!r} names no axis; write e.g. data=4,model=2")
+    if list(shape.values()).count(-1) > 1:
+        raise UserError(f"mesh {text!r} has more than one -1; only one axis can fill the rest")
+    return shape
+
+
+def resolve_mesh(shape: MeshShape, num_devices: int) -> MeshShape:
+    """Replace a -1 by what fills `num_devices`; the product must then equal it."""
+    fixed = math.prod(size for size in shape.values() if size != -1)
+    if -1 in shape.values():
+        if num_devices % fixed:
+            raise UserError(
+                f"mesh {format_mesh(shape)} cannot fill {num_devices} devices: "
+                f"{num_devices} is not a multiple of {fixed}"
+            )
+        shape = {name: (num_devices // fixed if size == -1 else size) for name, size in shape.items()}
+    elif fixed != num_devices:
+        raise UserError(
+            f"mesh {format_mesh(shape)} needs {fixed} devices but {num_devices} are in use; "
+            f"make the sizes multiply to {num_devices}, use -1 for one axis, or set --host-devices {fixed}"
+        )
+    return shape
+
+
+def format_mesh(shape: MeshShape) -> str:
+    return ",".join(f"{name}={size}" for name, size in shape.items())
+
+
+def devices_needed(shape: MeshShape) -> int | None:
+    """Devices a mesh flag asks for, or None when a -1 leaves it to the machine."""
+    return None if -1 in shape.values() else math.prod(shape.values())
+
+
+def build_mesh(shape: MeshShape, devices: list | None = None) -> Mesh:
+    """A mesh over the first prod(shape) devices, with Auto (GSPMD) axes.
+
+    Auto axes make sharding constraints hints that XLA propagates from, which is what
+    a layout-as-a-table needs: the same model code compiles under every table. (Explicit
+    axes would put shardings in the types and need `out_sharding=` at every sharded conv.)
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    count = math.prod(shape.values())
+    if count > len(devices):
+        raise UserError(
+            f"mesh {format_mesh(shape)} needs {count} devices but only {len(devices)} exist; "
+            f"use a smaller mesh or, on a CPU machine, --host-devices {count}"
+        )
+    grid = np.asarray(devices[:count], dtype=object).reshape(tuple(shape.values()))
+    return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Give the CPU backend `count` devices. Must run before JAX touches any device.
+
+    On a GPU machine this only affects the (unused) CPU backend, so it is harmless. Once
+    JAX has started, asking again for the count it already has is a no-op.
+    """
+    if count < 1:
+        raise UserError(f"--host-devices must be at least 1, got {count}")
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        have = len(jax.devices("cpu"))
+        if have != count:
+            raise UserError(
+                f"JAX already started with {have} CPU devices, so {count} cannot be simulated; "
+                "set the count before anything touches a device"
+            ) from None
+
+
+def check_layout_axes(layout_axes: tuple[str, ...], shape: MeshShape, layout_name: str) -> list[str]:
+    """Every axis the layout splits over must be in the mesh; unused mesh axes are noted."""
+    missing = [a for a in layout_axes if a not in shape]
+    if missing:
+        example = ",".join([*(f"{k}={v}" for k, v in shape.items()), *(f"{a}=2" for a in missing)])
+        raise UserError(
+            f"layout {layout_name} splits over mesh axis {missing[0]!r}, which mesh {format_mesh(shape)} "
+            f"lacks; add it, e.g. --mesh {example}"
+        )
+    return [
+        f"mesh axis {a}={size} is not used by layout {layout_name}: its devices hold replicas"
+        for a, size in shape.items()
+        if a not in layout_axes and size != 1
+    ]
+
+
+def host_devices_for(shape: MeshShape, host_devices: int | None, default: int) -> int:
+    """How many CPU devices to simulate: as asked, else what the mesh needs, else `default`."""
+    if host_devices is not None:
+        return host_devices
+    return devices_needed(shape) or default

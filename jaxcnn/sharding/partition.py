@@ -1,0 +1,200 @@
+"""Logical names -> `PartitionSpec` / `NamedSharding`, for parameters and activations.
+
+Parameters: each dimension's logical name is looked up in the layout's rules. A mesh
+axis that does not divide the dimension is *replicated with a `ShardingWarning` naming
+the tensor* rather than rejected: a layout written for one model should still run on a
+slightly different one, and the lint shows every fallback. A mesh axis already used by
+an earlier dimension of the same tensor is likewise dropped (GSPMD allows each once).
+
+Activations: `constrain(x, names)` pins block boundaries to the active layout; names the
+table does not mention stay UNCONSTRAINED so XLA propagates whatever the weights imply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcnn.errors import UserError
+from jaxcnn.sharding.layouts import Layout
+
+LogicalNames = tuple[str | None, ...]
+NAMES_KEY = "out_sharding"  # where nnx.with_partitioning / *_metadata store logical names
+
+
+class ShardingWarning(UserWarning):
+    """A rule could not be applied as written (dimension replicated instead)."""
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """How one parameter ended up placed: one row of the sharding table."""
+
+    path: str
+    logical: LogicalNames
+    shape: tuple[int, ...]
+    dtype: str
+    spec: P
+    bytes_per_device: int
+    notes: tuple[str, ...]
+
+
+def _mesh_axes_tuple(target) -> tuple[str, ...]:
+    if target is None:
+        return ()
+    return (target,) if isinstance(target, str) else tuple(target)
+
+
+def _as_spec_entry(axes: tuple[str, ...]):
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def param_spec(
+    logical: LogicalNames, shape: Sequence[int], layout: Layout, mesh: Mesh, label: str = "tensor"
+) -> tuple[P, tuple[str, ...]]:
+    """PartitionSpec of a parameter, and a note for every rule that could not apply."""
+    used: set[str] = set()
+    entries, notes = [], []
+    for dim, (name, size) in enumerate(zip(logical, shape, strict=True)):
+        _, target = layout.lookup(name)
+        wanted = tuple(a for a in _mesh_axes_tuple(target) if a in mesh.shape and mesh.shape[a] > 1)
+        clash = [a for a in wanted if a in used]
+        ways = math.prod(mesh.shape[a] for a in wanted)
+        if clash:
+            notes.append(f"{label} dim {dim} ({name}) wants mesh axis {clash[0]!r}, already used; replicated")
+            wanted = ()
+        elif size % ways:
+            notes.append(
+                f"{label} dim {dim} ({name}, size {size}) does not divide mesh axes "
+                f"{'x'.join(wanted)}={ways}; replicated"
+            )
+            wanted = ()
+        used.update(wanted)
+        entries.append(_as_spec_entry(wanted))
+    return P(*entries), tuple(notes)
+
+
+def activation_spec(logical: LogicalNames, layout: Layout, mesh: Mesh) -> P:
+    entries = []
+    for name in logical:
+        known, target = layout.lookup(name)
+        if not known:
+            entries.append(P.UNCONSTRAINED)
+            continue
+        entries.append(_as_spec_entry(tuple(a for a in _mesh_axes_tuple(target) if a in mesh.shape)))
+    return P(*entries)
+
+
+def data_sharding(logical: LogicalNames, shape: Sequence[int], layout: Layout, mesh: Mesh, what: str) -> NamedSharding:
+    """Sharding of an array crossing the jit boundary (a batch): it must divide exactly."""
+    entries = []
+    for dim, (name, size) in enumerate(zip(logical, shape, strict=True)):
+        _, target = layout.lookup(name)
+        wanted = tuple(a for a in _mesh_axes_tuple(target) if a in mesh.shape)
+        ways = math.prod(mesh.shape[a] for a in wanted)
+        if size % ways:
+            axes_text = "x".join(f"{a}={mesh.shape[a]}" for a in wanted)
+            raise UserError(
+                f"{what} dim {dim} ({name}) has size {size}, not divisible by mesh axes {axes_text}; "
+                f"use a multiple of {ways}"
+            )
+        entries.append(_as_spec_entry(wanted))
+    return NamedSharding(mesh, P(*entries))
+
+
+def _path_text(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def place_variables(tree, layout: Layout, mesh: Mesh) -> tuple[object, list[ParamPlacement]]:
+    """NamedShardings for an (abstract) nnx.State, from each Variable's logical names.
+
+    Returns the shardings (the same tree, each Variable holding its NamedSharding) and the
+    placement table.
+    Variables without names are replicated and noted.
+    """
+    rows: list[ParamPlacement] = []
+
+    def place(path, variable):
+        value = variable.get_value() if hasattr(variable, "get_value") else variable.value
+        label = _path_text(path)
+        logical = variable.get_metadata().get(NAMES_KEY)
+        if logical is None:
+            logical, notes = (None,) * len(value.shape), ("no logical names; replicated",)
+            spec = P()
+        else:
+            logical = tuple(logical)
+            spec, notes = param_spec(logical, value.shape, layout, mesh, label)
+        for note in notes:
+            if not note.startswith("no logical"):
+                warnings.warn(note, ShardingWarning, stacklevel=3)
+        sharding = NamedSharding(mesh, spec)
+        local = sharding.shard_shape(value.shape)
+        rows.append(
+            ParamPlacement(
+                path=label,
+                logical=logical,
+                shape=tuple(value.shape),
+                dtype=str(value.dtype),
+                spec=spec,
+                bytes_per_device=math.prod(local) * value.dtype.itemsize,
+                notes=notes,
+            )
+        )
+        return variable.replace(sharding)  # keeps the tree's structure: a full-depth shardings tree
+
+    shardings = jax.tree_util.tree_map_with_path(place, tree, is_leaf=_is_variable)
+    return shardings, rows
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, param_shardings, mesh: Mesh):
+    """Optimizer state is placed like the parameters it mirrors; its scalars are replicated."""
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        abstract_opt_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=_is_variable,
+    )
+
+
+# --- activation constraints -------------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar[tuple[Layout, Mesh] | None] = contextvars.ContextVar("jaxcnn_layout", default=None)
+
+
+@contextlib.contextmanager
+def activation_layout(layout: Layout, mesh: Mesh) -> Iterator[None]:
+    """Make `constrain` pin activations to `layout` while tracing inside this block."""
+    token = _ACTIVE.set((layout, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical: LogicalNames) -> jax.Array:
+    """Constrain an activation by logical names; a no-op outside `activation_layout`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    layout, mesh = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(logical, layout, mesh)))

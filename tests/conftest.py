@@ -1,0 +1,60 @@
+"""8 simulated CPU devices for every test: set before anything touches a JAX device."""
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxcnn.config import ModelConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Tiny family members for fast tests: same code paths, small widths.
+TINY_PLAIN = ModelConfig(
+    name="cnn2d_2layer_fullconnected_2layer", conv_features=(8, 16), dense_features=(32,), norm="none"
+)
+TINY_BN_DROPOUT = ModelConfig(
+    name="cnn2d_2layer_fullconnected_2layer", conv_features=(8, 16), dense_features=(32,), norm="batch", dropout=0.25
+)
+
+
+def write_digits_csv(path: Path, rows: int = 40, side: int = 8, channels: int = 1, labels: bool = True, seed=0):
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 17, size=(rows, side * side * channels))
+    frame = pd.DataFrame(pixels, columns=[f"pixel{i}" for i in range(pixels.shape[1])])
+    if labels:
+        frame.insert(0, "label", np.arange(rows) % 10)
+    frame.to_csv(path, index=False)
+    return path
+
+
+@pytest.fixture
+def digits_csv(tmp_path):
+    return write_digits_csv(tmp_path / "train.csv")
+
+
+def _optim():
+    from jaxcnn.config import OptimConfig
+
+    return OptimConfig(learning_rate=1e-2, warmup_steps=2)
+
+
+def train_losses(layout, mesh_shape, model_config=TINY_PLAIN, steps=20, batch_size=32, seed=0, data=None):
+    """Train `steps` steps on the bundled digits; return (per-step losses, final state, program)."""
+    from jaxcnn.config import TrainConfig
+    from jaxcnn.data import load_csv
+    from jaxcnn.sharding import build_mesh
+    from jaxcnn.train import build_program, fit
+
+    data = data or load_csv(REPO / "data/train.csv")
+    config = TrainConfig(batch_size=batch_size, epochs=1, max_steps=steps, seed=seed)
+    program = build_program(
+        model_config, _optim(), layout, build_mesh(mesh_shape), data.image_shape, batch_size, steps, seed=seed
+    )
+    result = fit(program, program.init(), data, None, config, progress=False)
+    return np.asarray(result.loss_history), result.state, program

@@ -1,0 +1,97 @@
+"""experiments/train.py end to end: result files as DESIGN specifies, and bad input as one line."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from conftest import REPO, write_digits_csv
+
+from jaxcnn.results import EPOCH_COLUMNS
+
+SCRIPT = REPO / "experiments/train.py"
+SMALL = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32", "--quiet"]
+JSON_KEYS = {
+    "model", "layout", "mesh", "num_devices", "num_processes", "global_batch_size", "steps", "loss_history",
+    "test_accuracy", "test_loss", "images_per_second", "compile_seconds", "wall_seconds", "input_wait_fraction",
+}  # fmt: skip
+
+
+def run_cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def load_train_module():
+    spec = importlib.util.spec_from_file_location("train_cli", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_cli_run_writes_both_result_files(tmp_path):
+    proc = run_cli(*SMALL, "--epochs", "2", "--mesh", "data=8", "--results-dir", str(tmp_path), "--run-name", "e2e")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "e2e.json").read_text())
+    assert set(record) >= JSON_KEYS
+    assert record["layout"] == "dp" and record["mesh"] == {"data": 8} and record["num_devices"] == 8
+    assert record["steps"] == 2 * (1437 // 32) == len(record["loss_history"])
+    assert 0.5 < record["test_accuracy"] <= 1.0 and record["images_per_second"] > 0
+    epochs = pd.read_csv(tmp_path / "e2e.csv")
+    assert list(epochs.columns) == EPOCH_COLUMNS and list(epochs["epoch"]) == [1, 2]
+    assert epochs["step"].iloc[-1] == record["steps"]
+    assert "test accuracy" in proc.stdout and "images/s" in proc.stdout
+
+
+def test_label_free_test_file_gets_a_submission(tmp_path):
+    test_csv = write_digits_csv(tmp_path / "unlabelled.csv", rows=21, labels=False)
+    record = load_train_module().main(
+        [*SMALL, "--max-steps", "3", "--host-devices", "8", "--mesh", "data=8", "--test-data", str(test_csv),
+         "--results-dir", str(tmp_path), "--run-name", "sub"]
+    )  # fmt: skip
+    submission = pd.read_csv(tmp_path / "submission.csv")
+    assert list(submission.columns) == ["ImageId", "Label"]
+    assert list(submission["ImageId"]) == list(range(1, 22))
+    assert submission["Label"].between(0, 9).all()
+    assert record["test_accuracy"] is None
+
+
+def _ragged(tmp_path):
+    path = tmp_path / "ragged.csv"
+    path.write_text("label,pixel0,pixel1,pixel2,pixel3\n1,0,1,2,3\n2,0,1,2,3,4\n")
+    return str(path)
+
+
+BAD_INPUT = {
+    "mesh product": (["--mesh", "data=3", "--host-devices", "8"], "needs 3 devices but 8 are in use"),
+    "unknown axis": (["--mesh", "rows=8"], "unknown mesh axis 'rows'"),
+    "unknown layout": (["--layout", "zero3"], "unknown layout 'zero3'"),
+    "batch not divisible": (["--batch-size", "100", "--mesh", "data=8"], "size 100, not divisible by mesh axes data=8"),
+    "missing file": (["--data", "nowhere.csv"], "nowhere.csv not found"),
+    "ragged file": (["--data", _ragged], "ragged rows"),
+    "bad flag value": (["--epochs", "many"], "argument --epochs: invalid int value"),
+    "layout axis missing": (["--layout", "dp", "--mesh", "model=8"], "splits over mesh axis 'data'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_one_line_nonzero_and_leaves_results_alone(tmp_path, case):
+    flags, message = BAD_INPUT[case]
+    flags = [f(tmp_path) if callable(f) else f for f in flags]
+    earlier = tmp_path / "keep.json"
+    earlier.write_text('{"earlier": "run"}\n')
+    proc = run_cli(*flags, "--results-dir", str(tmp_path), "--run-name", "keep", "--quiet")
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert earlier.read_text() == '{"earlier": "run"}\n'
+
+
+def test_unwritable_results_dir_is_refused_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = run_cli("--results-dir", str(blocker / "sub"), "--quiet")
+    assert proc.returncode != 0 and "cannot be written" in proc.stderr and "Traceback" not in proc.stderr

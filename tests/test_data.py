@@ -1,0 +1,129 @@
+"""The CSV loader: good files, the label-free test file, each malformed case; batching."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, write_digits_csv
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcnn.data import Prefetcher, eval_batches, load_csv, parse_image_shape, to_global, train_batches
+from jaxcnn.errors import UserError
+from jaxcnn.sharding import build_mesh
+
+
+def test_bundled_files_are_8x8_digits_scaled_to_unit_range():
+    train, test = load_csv(REPO / "data/train.csv"), load_csv(REPO / "data/test.csv")
+    assert train.images.shape == (1437, 8, 8, 1) and test.images.shape == (360, 8, 8, 1)
+    assert train.images.min() == 0.0 and train.images.max() == 1.0
+    assert set(np.unique(train.labels)) == set(range(10))
+    # stratified split: each class's share of the test set is within 1 image of 20%
+    for digit in range(10):
+        total = (train.labels == digit).sum() + (test.labels == digit).sum()
+        assert abs((test.labels == digit).sum() - 0.2 * total) <= 1
+
+
+@pytest.mark.parametrize(("side", "channels", "shape"), [(8, 1, (8, 8, 1)), (28, 1, (28, 28, 1)), (4, 3, (4, 4, 3))])
+def test_image_side_inferred_from_pixel_count(tmp_path, side, channels, shape):
+    path = write_digits_csv(tmp_path / "x.csv", rows=5, side=side, channels=channels)
+    assert load_csv(path, channels=channels).image_shape == shape
+
+
+def test_pixels_scaled_by_the_files_full_scale(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text("label,pixel0,pixel1,pixel2,pixel3\n1,0,255,128,3\n")
+    np.testing.assert_allclose(load_csv(path).images.ravel(), [0, 1, 128 / 255, 3 / 255], rtol=1e-6)
+    path.write_text("label,pixel0,pixel1,pixel2,pixel3\n1,0,12,8,3\n")  # no pixel at 16, still the 0..16 scale
+    np.testing.assert_allclose(load_csv(path).images.ravel(), [0, 12 / 16, 8 / 16, 3 / 16], rtol=1e-6)
+
+
+def test_label_free_test_file_loads_without_labels(tmp_path):
+    ds = load_csv(write_digits_csv(tmp_path / "t.csv", rows=7, labels=False), need_labels=False)
+    assert ds.labels is None and ds.images.shape == (7, 8, 8, 1)
+
+
+def test_training_file_needs_labels(tmp_path):
+    with pytest.raises(UserError, match="no 'label' column"):
+        load_csv(write_digits_csv(tmp_path / "t.csv", labels=False))
+
+
+HEADER = "label,pixel0,pixel1,pixel2,pixel3\n"
+MALFORMED = {
+    "empty": ("", "is empty"),
+    "header only": (HEADER, "no image rows"),
+    "too many cells": (HEADER + "1,0,1,2,3\n2,0,1,2,3,4\n", "ragged rows"),
+    "too few cells": (HEADER + "1,0,1,2,3\n2,0,1\n", "row 2 has no value"),
+    "non-numeric": (HEADER + "1,0,1,2,3\n2,0,x,2,3\n", "'x', not a number"),
+    "pixel count": ("label,pixel0,pixel1,pixel2\n1,0,1,2\n", "3 pixel columns is not side"),
+    "fractional label": (HEADER + "1.5,0,1,2,3\n", "label 1.5"),
+    "label out of range": (HEADER + "10,0,1,2,3\n", "label 10; labels must be integers 0..9"),
+    "negative label": (HEADER + "-1,0,1,2,3\n", "label -1"),
+    "negative pixel": (HEADER + "1,0,-1,2,3\n", "negative pixel"),
+    "bad header": ("label,a,b,c,d\n1,0,1,2,3\n", "column 'a' is not the expected pixel column"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_file_gets_a_clear_error(tmp_path, case):
+    text, message = MALFORMED[case]
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message) as info:
+        load_csv(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_csv(tmp_path / "nope.csv")
+    with pytest.raises(UserError, match="is a directory"):
+        load_csv(tmp_path)
+
+
+def test_synthetic_shape_flag():
+    assert parse_image_shape("224x224x3") == (224, 224, 3)
+    assert parse_image_shape("28x28") == (28, 28, 1)
+    for bad in ("224", "ax3x3", "0x8x1"):
+        with pytest.raises(UserError, match="not an image shape"):
+            parse_image_shape(bad)
+
+
+def test_train_batches_are_full_deterministic_and_cover_each_example_once(digits_csv):
+    ds = load_csv(digits_csv)
+    first = [labels for _, labels in train_batches(ds, 16, epoch=0, seed=3)]
+    again = [labels for _, labels in train_batches(ds, 16, epoch=0, seed=3)]
+    other_epoch = [labels for _, labels in train_batches(ds, 16, epoch=1, seed=3)]
+    assert len(first) == 2 and all(len(b) == 16 for b in first)  # 40 // 16, remainder dropped
+    assert all((a == b).all() for a, b in zip(first, again, strict=True))
+    assert not all((a == b).all() for a, b in zip(first, other_epoch, strict=True))
+
+
+def test_eval_batches_pad_and_mask_the_last_batch(digits_csv):
+    ds = load_csv(digits_csv)
+    batches = list(eval_batches(ds, 16))
+    assert [len(b[0]) for b in batches] == [16, 16, 16]
+    assert [int(b[2].sum()) for b in batches] == [16, 16, 8]
+    np.testing.assert_array_equal(np.concatenate([b[1][b[2] > 0] for b in batches]), ds.labels)
+
+
+def test_global_batch_is_sharded_over_data_axis():
+    mesh = build_mesh({"data": 8})
+    sharding = NamedSharding(mesh, P("data"))
+    batch = np.arange(32, dtype=np.float32).reshape(16, 2)
+    array = to_global(batch, sharding)
+    assert array.sharding == sharding and len(array.addressable_shards) == 8
+    assert {s.data.shape for s in array.addressable_shards} == {(2, 2)}
+    np.testing.assert_array_equal(jax.device_get(array), batch)
+
+
+def test_prefetcher_keeps_order_counts_waiting_and_reraises():
+    loader = Prefetcher(lambda i: i * i, count=5, depth=2)
+    assert list(loader) == [0, 1, 4, 9, 16] and loader.wait_seconds >= 0
+
+    def broken(i):
+        if i == 2:
+            raise RuntimeError("boom")
+        return i
+
+    with pytest.raises(RuntimeError, match="boom"):
+        list(Prefetcher(broken, count=5))

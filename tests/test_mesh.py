@@ -1,0 +1,95 @@
+"""Mesh flags, layouts and user rules tables: parsing and validation."""
+
+import pytest
+from jax.sharding import AxisType
+
+from jaxcnn.errors import UserError
+from jaxcnn.sharding import LAYOUTS, build_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
+from jaxcnn.sharding.mesh import check_layout_axes, host_devices_for
+
+
+def test_parse_keeps_axis_order_and_sizes():
+    assert list(parse_mesh("data=4,model=2").items()) == [("data", 4), ("model", 2)]
+    assert parse_mesh(" data = -1 ") == {"data": -1}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("data", "has no size"),
+        ("batch=4", "unknown mesh axis 'batch'"),
+        ("data=4,data=2", "given twice"),
+        ("data=two", "has size 'two'"),
+        ("data=0", "has size 0"),
+        ("data=-2", "has size -2"),
+        ("data=-1,model=-1", "more than one -1"),
+        ("", "names no axis"),
+    ],
+)
+def test_parse_rejects_bad_meshes(text, message):
+    with pytest.raises(UserError, match=message):
+        parse_mesh(text)
+
+
+def test_minus_one_fills_the_devices():
+    assert resolve_mesh({"data": -1, "model": 2}, 8) == {"data": 4, "model": 2}
+    assert resolve_mesh({"data": 8}, 8) == {"data": 8}
+
+
+def test_product_must_match_the_devices():
+    with pytest.raises(UserError, match="needs 6 devices but 8 are in use"):
+        resolve_mesh({"data": 3, "model": 2}, 8)
+    with pytest.raises(UserError, match="not a multiple of 3"):
+        resolve_mesh({"data": -1, "model": 3}, 8)
+
+
+def test_mesh_uses_auto_axes_over_the_first_devices():
+    mesh = build_mesh({"data": 2, "model": 2})
+    assert dict(mesh.shape) == {"data": 2, "model": 2}
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    with pytest.raises(UserError, match="needs 16 devices but only 8 exist"):
+        build_mesh({"data": 16})
+
+
+def test_host_devices_default_follows_the_mesh():
+    assert host_devices_for({"data": 4}, None, 8) == 4
+    assert host_devices_for({"data": -1}, None, 8) == 8
+    assert host_devices_for({"data": 4}, 4, 8) == 4
+
+
+def test_layout_names_are_the_contract():
+    assert {"single", "dp"} <= set(LAYOUTS)
+    assert get_layout("dp").mesh_axes == ("data",)
+    with pytest.raises(UserError, match="unknown layout 'zero'"):
+        get_layout("zero")
+
+
+def test_user_rules_table():
+    layout = parse_rules("batch=data,conv_out=model,mlp=model,embed=none,height=data+spatial")
+    assert layout.lookup("conv_out") == (True, "model")
+    assert layout.lookup("embed") == (True, None)
+    assert layout.lookup("height") == (True, ("data", "spatial"))
+    assert layout.lookup("classes") == (False, None)
+    assert layout.mesh_axes == ("data", "model", "spatial")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("batch", "needs the form"),
+        ("pixels=data", "unknown logical axis 'pixels'"),
+        ("batch=gpu", "unknown mesh axis 'gpu'"),
+        ("batch=data,batch=model", "twice"),
+        (",", "holds no rule"),
+    ],
+)
+def test_user_rules_rejects_bad_tables(text, message):
+    with pytest.raises(UserError, match=message):
+        parse_rules(text)
+
+
+def test_layout_axes_must_be_in_the_mesh():
+    with pytest.raises(UserError, match="splits over mesh axis 'data'"):
+        check_layout_axes(("data",), {"model": 8}, "dp")
+    notes = check_layout_axes(("data",), {"data": 4, "model": 2}, "dp")
+    assert notes == ["mesh axis model=2 is not used by layout dp: its devices hold replicas"]

@@ -1,0 +1,74 @@
+"""The CNN family: output shapes for each member and input size, logical names on every parameter."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxcnn.config import ModelConfig
+from jaxcnn.errors import UserError
+from jaxcnn.models import build_model, conv_channel_spaces
+from jaxcnn.sharding import axes as ax
+from jaxcnn.sharding.partition import NAMES_KEY
+
+FAMILY = [f"cnn2d_{c}layer_fullconnected_{d}layer" for c in (2, 3) for d in (2, 3)]
+SIZES = [(8, 8, 1), (28, 28, 1), (224, 224, 3)]
+
+
+@pytest.mark.parametrize("name", FAMILY)
+@pytest.mark.parametrize("image_shape", SIZES)
+def test_logits_shape_for_every_member_and_size(name, image_shape):
+    config = ModelConfig(name=name, norm="batch", dropout=0.1, num_classes=7)
+    model = nnx.eval_shape(lambda: build_model(config, image_shape, seed=0))  # shapes only: no 25M-param init
+    graphdef, state = nnx.split(model)
+    images = jax.ShapeDtypeStruct((2, *image_shape), jnp.float32)
+    logits = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x, train=False), state, images)
+    assert logits.shape == (2, 7)
+    assert len(model.blocks) == int(name[6]) and len(model.dense) == int(name[-6])
+
+
+def test_small_model_runs_and_dropout_only_in_training():
+    config = ModelConfig(
+        name="cnn2d_2layer_fullconnected_2layer", conv_features=(4, 8), dense_features=(16,), dropout=0.5
+    )
+    model = build_model(config, (8, 8, 1), seed=0)
+    x = jnp.ones((3, 8, 8, 1))
+    assert jnp.allclose(model(x), model(x))
+    a = model(x, train=True, rngs=nnx.Rngs(dropout=0))
+    b = model(x, train=True, rngs=nnx.Rngs(dropout=1))
+    assert not jnp.allclose(a, b)
+
+
+@pytest.mark.parametrize("norm", ["none", "batch", "group"])
+def test_every_parameter_and_statistic_has_logical_names(norm):
+    model = nnx.eval_shape(lambda: build_model(ModelConfig(norm=norm), (8, 8, 1), seed=0))
+    variables = jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable))
+    assert variables
+    for variable in variables:
+        names = variable.get_metadata().get(NAMES_KEY)
+        assert names is not None and len(names) == variable.get_value().ndim
+        assert set(names) <= set(ax.PARAM_AXES)
+
+
+def test_channel_spaces_alternate_back_from_the_flatten():
+    assert conv_channel_spaces(3) == [ax.CONV_IN, ax.CONV_OUT, ax.CONV_IN]
+    assert conv_channel_spaces(2) == [ax.CONV_OUT, ax.CONV_IN]
+    model = nnx.eval_shape(lambda: build_model(ModelConfig(), (8, 8, 1), seed=0))
+    kernels = [d.kernel.get_metadata()[NAMES_KEY] for d in model.dense]
+    assert kernels == [(ax.EMBED, ax.MLP), (ax.MLP, ax.EMBED), (ax.EMBED, ax.CLASSES)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": "resnet50"}, "unknown model"),
+        ({"name": "cnn2d_9layer_fullconnected_2layer"}, "use 1..6 conv"),
+        ({"conv_features": (8,)}, "has 3 conv blocks"),
+        ({"dense_features": (8,)}, "has 2 hidden dense"),
+        ({"norm": "layer"}, "unknown --norm"),
+        ({"dropout": 1.0}, "--dropout"),
+    ],
+)
+def test_bad_model_configs(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        ModelConfig(**kwargs)

@@ -1,0 +1,100 @@
+"""Parameters and batches land where the layout's rules say (read back from .sharding.spec)."""
+
+import jax
+import pytest
+from conftest import TINY_BN_DROPOUT
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxcnn.config import OptimConfig
+from jaxcnn.errors import UserError
+from jaxcnn.sharding import ShardingWarning, build_mesh, get_layout, param_spec, parse_rules
+from jaxcnn.sharding.partition import activation_spec, data_sharding
+from jaxcnn.train import build_program
+
+
+def _leaves(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def test_dp_replicates_every_parameter_and_splits_the_batch():
+    program = build_program(TINY_BN_DROPOUT, OptimConfig(), get_layout("dp"), build_mesh({"data": 8}), (8, 8, 1), 32, 5)
+    state = program.init()
+    for array in jax.tree.leaves((state.params, state.model_state, state.opt_state)):
+        assert array.sharding.is_fully_replicated
+    assert program.batch_shardings[0].spec == P("data", None, None, None)
+    assert program.batch_shardings[1].spec == P("data")
+
+
+def test_user_rules_shard_the_tensors_they_name():
+    layout = parse_rules("batch=data,conv_out=model,mlp=model")
+    mesh = build_mesh({"data": 4, "model": 2})
+    program = build_program(TINY_BN_DROPOUT, OptimConfig(), layout, mesh, (8, 8, 1), 32, 5)
+    state = program.init()
+    kernel0 = state.params["blocks"][0]["conv"]["kernel"]  # (kh, kw, conv_in, conv_out): column
+    kernel1 = state.params["blocks"][1]["conv"]["kernel"]  # (kh, kw, conv_out, conv_in): row
+    dense0 = state.params["dense"][0]["kernel"]  # (embed, mlp)
+    assert kernel0.get_value().sharding.spec == P(None, None, None, "model")
+    assert kernel1.get_value().sharding.spec == P(None, None, "model", None)
+    assert dense0.get_value().sharding.spec == P(None, "model")
+    assert {s.data.shape for s in dense0.get_value().addressable_shards} == {(dense0.shape[0], 16)}
+    # Adam's moments sit exactly where their parameters sit.
+    mu = state.opt_state[0].mu["blocks"][0]["conv"]["kernel"]
+    assert mu.get_value().sharding == kernel0.get_value().sharding
+    # the placement table agrees with the arrays
+    rows = {row.path: row for row in program.placements}
+    assert rows["blocks/0/conv/kernel"].spec == P(None, None, None, "model")
+    assert rows["blocks/0/conv/kernel"].bytes_per_device == 3 * 3 * 1 * 4 * 4
+    assert rows["dense/0/bias"].spec == P("model")
+    assert "blocks/0/conv/bias" not in rows  # no conv bias before batch norm
+
+
+def test_dimension_that_does_not_divide_is_replicated_with_a_note():
+    layout = parse_rules("conv_out=model")
+    mesh = build_mesh({"data": 2, "model": 4})
+    spec, notes = param_spec(("kh", "kw", "conv_in", "conv_out"), (3, 3, 1, 6), layout, mesh, "conv")
+    assert spec == P(None, None, None, None)
+    assert notes == ("conv dim 3 (conv_out, size 6) does not divide mesh axes model=4; replicated",)
+    spec, notes = param_spec(("kh", "kw", "conv_in", "conv_out"), (3, 3, 1, 8), layout, mesh, "conv")
+    assert spec == P(None, None, None, "model") and notes == ()
+
+
+def test_program_warns_about_fallbacks_it_applies():
+    layout = parse_rules("batch=data,classes=model")  # 10 classes over model=4: cannot split
+    with pytest.warns(ShardingWarning) as caught:
+        build_program(TINY_BN_DROPOUT, OptimConfig(), layout, build_mesh({"data": 2, "model": 4}), (8, 8, 1), 16, 2)
+    assert sorted(str(w.message) for w in caught) == [
+        "dense/1/bias dim 0 (classes, size 10) does not divide mesh axes model=4; replicated",
+        "dense/1/kernel dim 1 (classes, size 10) does not divide mesh axes model=4; replicated",
+    ]
+
+
+def test_a_mesh_axis_is_used_once_per_tensor():
+    layout = parse_rules("embed=model,mlp=model")
+    spec, notes = param_spec(("embed", "mlp"), (8, 8), layout, build_mesh({"model": 8}), "dense")
+    assert spec == P("model", None) and "already used" in notes[0]
+
+
+def test_activation_names_outside_the_table_stay_unconstrained():
+    layout, mesh = get_layout("dp"), build_mesh({"data": 8})
+    assert activation_spec(("batch", "height", "width", "channels"), layout, mesh) == P(
+        "data", P.UNCONSTRAINED, P.UNCONSTRAINED, P.UNCONSTRAINED
+    )
+
+
+def test_batch_that_does_not_divide_the_data_axis_is_rejected():
+    with pytest.raises(
+        UserError, match="global batch dim 0 \\(batch\\) has size 100, not divisible by mesh axes data=8"
+    ):
+        data_sharding(("batch",), (100,), get_layout("dp"), build_mesh({"data": 8}), "global batch")
+
+
+def test_state_is_born_sharded_not_gathered_on_one_device():
+    layout = parse_rules("batch=data,mlp=model")
+    mesh = build_mesh({"data": 2, "model": 4})
+    program = build_program(TINY_BN_DROPOUT, OptimConfig(), layout, mesh, (8, 8, 1), 16, 2)
+    # The compiled init program itself outputs the layout's shardings: each device creates
+    # only its own slice; nothing is built whole on one device and scattered.
+    dense0 = program.init.output_shardings.params["dense"][0]["kernel"].get_value()
+    assert dense0.spec == P(None, "model")
+    assert dense0.shard_shape((64, 32)) == (64, 8)

@@ -1,0 +1,66 @@
+"""Training: dp equals single-device step for step; seeding is deterministic; state updates."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY_BN_DROPOUT, TINY_PLAIN, train_losses
+
+from jaxcnn.config import OptimConfig, TrainConfig
+from jaxcnn.errors import UserError
+from jaxcnn.optim import make_optimizer, make_schedule
+from jaxcnn.sharding import get_layout
+from jaxcnn.train import steps_plan
+
+
+@pytest.fixture(scope="module")
+def single_plain():
+    return train_losses(get_layout("single"), {"data": 1}, TINY_PLAIN, steps=20)
+
+
+def test_dp_on_8_devices_matches_single_device_for_20_steps(single_plain):
+    reference, ref_state, _ = single_plain
+    losses, state, _ = train_losses(get_layout("dp"), {"data": 8}, TINY_PLAIN, steps=20)
+    assert len(losses) == 20 and np.all(np.isfinite(losses))
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_training_lowers_the_loss(single_plain):
+    losses = single_plain[0]
+    assert losses[-5:].mean() < 0.9 * losses[:5].mean()
+
+
+def test_same_seed_same_losses_other_seed_other_losses(single_plain):
+    again = train_losses(get_layout("single"), {"data": 1}, TINY_PLAIN, steps=20)[0]
+    np.testing.assert_array_equal(again, single_plain[0])
+    other = train_losses(get_layout("single"), {"data": 1}, TINY_PLAIN, steps=20, seed=1)[0]
+    assert not np.allclose(other, single_plain[0])
+
+
+def test_batch_norm_and_dropout_model_under_dp_matches_single():
+    reference, ref_state, _ = train_losses(get_layout("single"), {"data": 1}, TINY_BN_DROPOUT, steps=10)
+    losses, state, _ = train_losses(get_layout("dp"), {"data": 8}, TINY_BN_DROPOUT, steps=10)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    # running statistics are global: computed over the whole batch, not per device
+    for a, b in zip(jax.tree.leaves(state.model_state), jax.tree.leaves(ref_state.model_state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert int(state.step) == 10
+
+
+def test_steps_plan_and_batch_larger_than_data():
+    assert steps_plan(100, TrainConfig(batch_size=32, epochs=3)) == (3, 9)
+    assert steps_plan(100, TrainConfig(batch_size=32, epochs=3, max_steps=4)) == (3, 4)
+    with pytest.raises(UserError, match="larger than the 10 training images"):
+        steps_plan(10, TrainConfig(batch_size=32))
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+def test_optimizers_build_and_cosine_schedule_warms_up_then_decays(name):
+    config = OptimConfig(name=name, learning_rate=0.1, warmup_steps=10)
+    assert make_optimizer(config, 100) is not None
+    schedule = make_schedule(config, 100)
+    assert float(schedule(0)) == 0.0 and float(schedule(10)) == pytest.approx(0.1)
+    assert float(schedule(99)) < 0.01
+    constant = make_schedule(OptimConfig(schedule="constant", warmup_steps=0, learning_rate=0.1), 100)
+    assert float(constant(0)) == float(constant(99)) == pytest.approx(0.1)
