@@ -3,6 +3,7 @@
 python experiments/train.py                                  # dp over all devices
 python experiments/train.py --layout single                  # the one-device baseline
 python experiments/train.py --mesh data=4 --host-devices 4   # 4 simulated CPU devices
+python experiments/train.py --layout hybrid --mesh data=4,model=2 --print-shardings
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from jaxcnn import cli, results
 from jaxcnn.data import load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
+from jaxcnn.sharding.lint import format_report, lint
 from jaxcnn.sharding.mesh import check_layout_axes, host_devices_for, simulate_cpu_devices
 from jaxcnn.train import build_program, fit, steps_plan
 
@@ -91,6 +93,8 @@ def main(argv=None) -> dict:
         seed=train_config.seed,
         eval_batch_size=train_config.eval_batch_size,
     )
+    if args.print_shardings and jax.process_index() == 0:
+        print(format_report(lint(layout, mesh, program.placements, program.train_step)))
     state = program.init()
     outcome = fit(program, state, train_set, test_set, train_config, progress=not args.quiet)
 

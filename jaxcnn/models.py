@@ -117,7 +117,7 @@ class CNN(nnx.Module):
         x_BF = constrain(x.reshape(x.shape[0], -1), ax.FEATURES_BF)
         for layer in self.dense[:-1]:
             x_BF = nnx.relu(layer(x_BF))
-            x_BF = self.dropout(x_BF, deterministic=not train, rngs=rngs)
+            x_BF = constrain(self.dropout(x_BF, deterministic=not train, rngs=rngs), ax.FEATURES_BF)
         return self.dense[-1](x_BF)
 
 

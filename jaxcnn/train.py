@@ -9,9 +9,11 @@ The layout reaches the model only through the shardings and `activation_layout`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -73,10 +75,16 @@ def _split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return nnx.split(model, nnx.Param, ...)
 
 
-def _train_step(graphdef, tx, layout, mesh, state: TrainState, images, labels):
+def _train_step(graphdef, tx, layout, mesh, compute_shardings, state: TrainState, images, labels):
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def loss_fn(params):
+        if compute_shardings is not None:
+            # FSDP: gather each parameter whole for compute. The constraint's transpose
+            # makes its gradient arrive whole too, then be reduce-scattered to the owner
+            # shards -- ZeRO-3 -- instead of letting XLA spread the kernels' split into
+            # the activations.
+            params = jax.lax.with_sharding_constraint(params, compute_shardings)
         model = nnx.merge(graphdef, params, state.model_state, copy=True)  # fresh Variables: BN mutates them
         with activation_layout(layout, mesh):
             logits = model(images, train=True, rngs=nnx.Rngs(dropout=key))
@@ -126,6 +134,12 @@ def build_program(
     # --- shard: every array's placement, from the layout's rules ----------------------
     replicated = NamedSharding(mesh, P())
     param_shardings, placements = place_variables(abstract.params, layout, mesh)
+    compute_shardings = None
+    if layout.lookup(ax.PARAMS)[0]:  # FSDP: where parameters live for compute (gathered)
+        gathered = dataclasses.replace(layout, rules=tuple(r for r in layout.rules if r[0] != ax.PARAMS))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the same fallbacks were just reported
+            compute_shardings, _ = place_variables(abstract.params, gathered, mesh)
     stat_shardings, stat_placements = place_variables(abstract.model_state, layout, mesh)
     state_shardings = TrainState(
         step=replicated,
@@ -148,7 +162,7 @@ def build_program(
     labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sharding)
     train_step = (
         jax.jit(
-            lambda state, x, y: _train_step(graphdef, tx, layout, mesh, state, x, y),
+            lambda state, x, y: _train_step(graphdef, tx, layout, mesh, compute_shardings, state, x, y),
             in_shardings=(state_shardings, image_sharding, label_sharding),
             out_shardings=(state_shardings, replicated),
             donate_argnums=0,
@@ -190,6 +204,14 @@ def build_program(
         eval_step=eval_step,
         compile_seconds=compile_seconds,
     )
+
+
+def plan_placements(
+    model_config: ModelConfig, layout: Layout, mesh: Mesh, image_shape: tuple[int, int, int]
+) -> list[ParamPlacement]:
+    """Where every parameter and statistic of the model would go, without compiling."""
+    _, params, model_state = _split(nnx.eval_shape(lambda: build_model(model_config, image_shape, 0)))
+    return place_variables(params, layout, mesh)[1] + place_variables(model_state, layout, mesh)[1]
 
 
 @dataclass

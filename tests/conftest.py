@@ -4,6 +4,8 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import functools  # noqa: E402
+import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -44,17 +46,45 @@ def _optim():
     return OptimConfig(learning_rate=1e-2, warmup_steps=2)
 
 
+def load_train_module():
+    """experiments/train.py as a module, to call its main() in-process."""
+    spec = importlib.util.spec_from_file_location("train_cli", REPO / "experiments/train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def bundled_digits():
+    from jaxcnn.data import load_csv
+
+    return load_csv(REPO / "data/train.csv")
+
+
+_PROGRAMS: dict = {}
+
+
+def compiled_program(layout, mesh_shape, model_config=TINY_PLAIN, steps=20, batch_size=32, seed=0, image_shape=None):
+    """One compiled program per configuration for the whole session (tests share them)."""
+    from jaxcnn.sharding import build_mesh
+    from jaxcnn.train import build_program
+
+    image_shape = image_shape or bundled_digits().image_shape
+    key = (layout, tuple(mesh_shape.items()), model_config, steps, batch_size, seed, image_shape)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = build_program(
+            model_config, _optim(), layout, build_mesh(mesh_shape), image_shape, batch_size, steps, seed=seed
+        )
+    return _PROGRAMS[key]
+
+
 def train_losses(layout, mesh_shape, model_config=TINY_PLAIN, steps=20, batch_size=32, seed=0, data=None):
     """Train `steps` steps on the bundled digits; return (per-step losses, final state, program)."""
     from jaxcnn.config import TrainConfig
-    from jaxcnn.data import load_csv
-    from jaxcnn.sharding import build_mesh
-    from jaxcnn.train import build_program, fit
+    from jaxcnn.train import fit
 
-    data = data or load_csv(REPO / "data/train.csv")
+    data = data or bundled_digits()
     config = TrainConfig(batch_size=batch_size, epochs=1, max_steps=steps, seed=seed)
-    program = build_program(
-        model_config, _optim(), layout, build_mesh(mesh_shape), data.image_shape, batch_size, steps, seed=seed
-    )
+    program = compiled_program(layout, mesh_shape, model_config, steps, batch_size, seed, data.image_shape)
     result = fit(program, program.init(), data, None, config, progress=False)
     return np.asarray(result.loss_history), result.state, program

@@ -1,13 +1,12 @@
 """experiments/train.py end to end: result files as DESIGN specifies, and bad input as one line."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pandas as pd
 import pytest
-from conftest import REPO, write_digits_csv
+from conftest import REPO, load_train_module, write_digits_csv
 
 from jaxcnn.results import EPOCH_COLUMNS
 
@@ -21,13 +20,6 @@ JSON_KEYS = {
 
 def run_cli(*args, cwd=REPO):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
-
-
-def load_train_module():
-    spec = importlib.util.spec_from_file_location("train_cli", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -68,7 +60,14 @@ BAD_INPUT = {
     "mesh product": (["--mesh", "data=3", "--host-devices", "8"], "needs 3 devices but 8 are in use"),
     "unknown axis": (["--mesh", "rows=8"], "unknown mesh axis 'rows'"),
     "unknown layout": (["--layout", "zero3"], "unknown layout 'zero3'"),
-    "batch not divisible": (["--batch-size", "100", "--mesh", "data=8"], "size 100, not divisible by mesh axes data=8"),
+    "batch not divisible": (
+        ["--batch-size", "100", "--mesh", "data=8"],
+        "global batch of 100 is not divisible by mesh",
+    ),
+    "height not divisible": (
+        ["--layout", "spatial", "--synthetic", "6x6x1", "--mesh", "data=2,spatial=4", "--batch-size", "8"],
+        "image height 6 is not divisible by mesh axes spatial=4",
+    ),
     "missing file": (["--data", "nowhere.csv"], "nowhere.csv not found"),
     "ragged file": (["--data", _ragged], "ragged rows"),
     "bad flag value": (["--epochs", "many"], "argument --epochs: invalid int value"),

@@ -84,9 +84,30 @@ def test_activation_names_outside_the_table_stay_unconstrained():
 
 def test_batch_that_does_not_divide_the_data_axis_is_rejected():
     with pytest.raises(
-        UserError, match="global batch dim 0 \\(batch\\) has size 100, not divisible by mesh axes data=8"
+        UserError, match="global batch of 100 is not divisible by mesh axes data=8; use a multiple of 8"
     ):
         data_sharding(("batch",), (100,), get_layout("dp"), build_mesh({"data": 8}), "global batch")
+
+
+def test_image_height_that_does_not_divide_the_spatial_axis_is_rejected_at_the_jit_boundary():
+    layout, mesh = get_layout("spatial"), build_mesh({"data": 2, "spatial": 4})
+    with pytest.raises(UserError, match="image height 6 is not divisible by mesh axes spatial=4"):
+        data_sharding(("batch", "height", "width", "channels"), (8, 6, 6, 1), layout, mesh, "global batch")
+
+
+def test_fsdp_shards_the_largest_divisible_dim_of_tensors_over_the_threshold():
+    layout, mesh = get_layout("fsdp"), build_mesh({"data": 8})
+    kernel = ("kh", "kw", "conv_in", "conv_out")
+    assert param_spec(kernel, (3, 3, 64, 128), layout, mesh)[0] == P(None, None, None, "data")
+    assert param_spec(kernel, (3, 3, 128, 64), layout, mesh)[0] == P(None, None, "data", None)
+    assert param_spec(kernel, (3, 3, 1, 32), layout, mesh)[0] == P(None, None, None, None)  # 1,152 B < 4 KiB
+    spec, notes = param_spec(("embed", "classes"), (1029, 10), layout, mesh, "dense")  # nothing divides 8
+    assert spec == P(None, None) and "no free dim" in notes[0]
+    # with tensor parallelism on another axis, FSDP takes the largest dim still free
+    both = parse_rules("batch=data,params=data,conv_out=model")
+    assert param_spec(kernel, (3, 3, 64, 128), both, build_mesh({"data": 4, "model": 2}))[0] == P(
+        None, None, "data", "model"
+    )
 
 
 def test_state_is_born_sharded_not_gathered_on_one_device():

@@ -28,13 +28,18 @@ ACTIVATION_AXES = (BATCH, HEIGHT, WIDTH, CHANNELS, FEATURES)
 
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
+# Not an axis: the rule key for FSDP ("split every large parameter over this mesh axis").
+PARAMS = "params"
+RULE_KEYS = (*LOGICAL_AXES, PARAMS)
+
 # Mesh axes a layout may use.
 DATA = "data"
 MODEL = "model"
 SPATIAL = "spatial"
 STAGE = "stage"
+FSDP = "fsdp"  # a second data-like axis, for FSDP beside plain dp on a 3-axis mesh
 
-MESH_AXES = (DATA, MODEL, SPATIAL, STAGE)
+MESH_AXES = (DATA, FSDP, MODEL, SPATIAL, STAGE)
 
 # Shorthands for the annotations the model attaches.
 CONV_KERNEL = (KH, KW, CONV_IN, CONV_OUT)

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcnn.errors import UserError
+from jaxcnn.sharding.axes import PARAMS
 from jaxcnn.sharding.layouts import Layout
 
 LogicalNames = tuple[str | None, ...]
@@ -62,14 +63,20 @@ def _as_spec_entry(axes: tuple[str, ...]):
 
 
 def param_spec(
-    logical: LogicalNames, shape: Sequence[int], layout: Layout, mesh: Mesh, label: str = "tensor"
+    logical: LogicalNames,
+    shape: Sequence[int],
+    layout: Layout,
+    mesh: Mesh,
+    label: str = "tensor",
+    itemsize: int = 4,
 ) -> tuple[P, tuple[str, ...]]:
     """PartitionSpec of a parameter, and a note for every rule that could not apply."""
     used: set[str] = set()
-    entries, notes = [], []
+    entries: list[tuple[str, ...]] = []
+    notes = []
     for dim, (name, size) in enumerate(zip(logical, shape, strict=True)):
         _, target = layout.lookup(name)
-        wanted = tuple(a for a in _mesh_axes_tuple(target) if a in mesh.shape and mesh.shape[a] > 1)
+        wanted = _live_axes(target, mesh)
         clash = [a for a in wanted if a in used]
         ways = math.prod(mesh.shape[a] for a in wanted)
         if clash:
@@ -82,8 +89,25 @@ def param_spec(
             )
             wanted = ()
         used.update(wanted)
-        entries.append(_as_spec_entry(wanted))
-    return P(*entries), tuple(notes)
+        entries.append(wanted)
+    _, fsdp_target = layout.lookup(PARAMS)
+    fsdp_axes = tuple(a for a in _live_axes(fsdp_target, mesh) if a not in used)
+    if fsdp_axes and math.prod(shape) * itemsize >= layout.fsdp_min_bytes:
+        ways = math.prod(mesh.shape[a] for a in fsdp_axes)
+        free = [d for d, e in enumerate(entries) if not e and shape[d] % ways == 0]
+        if free:  # the largest dim that divides; on ties the last (output channels, contiguous)
+            dim = max(free, key=lambda d: (shape[d], d))
+            entries[dim] = fsdp_axes
+        else:
+            notes.append(
+                f"{label}: no free dim of {tuple(shape)} divides {'x'.join(fsdp_axes)}={ways}; not FSDP-sharded"
+            )
+    return P(*(_as_spec_entry(e) for e in entries)), tuple(notes)
+
+
+def _live_axes(target, mesh: Mesh) -> tuple[str, ...]:
+    """The target's mesh axes that exist in this mesh with more than one device."""
+    return tuple(a for a in _mesh_axes_tuple(target) if a in mesh.shape and mesh.shape[a] > 1)
 
 
 def activation_spec(logical: LogicalNames, layout: Layout, mesh: Mesh) -> P:
@@ -106,9 +130,11 @@ def data_sharding(logical: LogicalNames, shape: Sequence[int], layout: Layout, m
         ways = math.prod(mesh.shape[a] for a in wanted)
         if size % ways:
             axes_text = "x".join(f"{a}={mesh.shape[a]}" for a in wanted)
+            if dim == 0:
+                raise UserError(f"{what} of {size} is not divisible by mesh axes {axes_text}; use a multiple of {ways}")
             raise UserError(
-                f"{what} dim {dim} ({name}) has size {size}, not divisible by mesh axes {axes_text}; "
-                f"use a multiple of {ways}"
+                f"image {name} {size} is not divisible by mesh axes {axes_text} (arrays entering the step must "
+                f"split evenly); use images whose {name} is a multiple of {ways}, or a smaller mesh axis"
             )
         entries.append(_as_spec_entry(wanted))
     return NamedSharding(mesh, P(*entries))
@@ -140,7 +166,7 @@ def place_variables(tree, layout: Layout, mesh: Mesh) -> tuple[object, list[Para
             spec = P()
         else:
             logical = tuple(logical)
-            spec, notes = param_spec(logical, value.shape, layout, mesh, label)
+            spec, notes = param_spec(logical, value.shape, layout, mesh, label, value.dtype.itemsize)
         for note in notes:
             if not note.startswith("no logical"):
                 warnings.warn(note, ShardingWarning, stacklevel=3)

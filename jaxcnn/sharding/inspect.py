@@ -1,0 +1,126 @@
+"""What a compiled program really does: the collectives XLA put in it.
+
+Collectives appear only after `.compile()` (GSPMD partitions late), so everything here
+reads the optimized HLO text of a compiled executable. Both HLO dialects are handled:
+CPU's synchronous ops (`all-reduce(...)`) and GPU's async pairs (`all-reduce-start` ...
+`-done`, whose results are tuples); each collective is counted once, at its start.
+
+Byte convention: `buffer_bytes` is the size, on one device, of the logical buffer the
+collective works on -- the reduced array for all-reduce, the *gathered* (full) array for
+all-gather, the *unscattered* (full) input for reduce-scatter, the sent array for
+collective-permute and all-to-all. `wire_bytes` is what one device sends on a ring
+(Patarasuk & Yuan 2009; "How to Scale Your Model", ch. 3): all-reduce 2(N-1)/N x buffer,
+all-gather and reduce-scatter (N-1)/N x buffer, all-to-all (N-1)/N x buffer, permute the
+buffer itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+}  # fmt: skip
+# `%name = <result type> kind(<operands>), attributes` -- kind optionally with -start.
+_OP = re.compile(
+    r"=\s*(?P<result>.+?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>,.*)?$"
+)
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+# newer XLA: replica_groups=mesh['data'=4,'model'=2] {'model'} (a sub-axis prints as 'spatial':(1)2)
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{([0-9,{}]*)\}")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # one of KINDS
+    group_size: int  # devices taking part together (N)
+    buffer_bytes: int  # per device, see the module docstring
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]  # per-device result arrays
+    line: str  # the HLO instruction, for the lint's messages
+
+    @property
+    def wire_bytes(self) -> float:
+        n = self.group_size
+        if self.kind == "all-reduce":
+            return 2 * (n - 1) / n * self.buffer_bytes
+        if self.kind == "collective-permute":
+            return float(self.buffer_bytes)
+        return (n - 1) / n * self.buffer_bytes
+
+
+def _arrays_bytes(text: str) -> tuple[int, str]:
+    """Total bytes of the array types in an HLO type string, and the first dtype."""
+    total, first = 0, ""
+    for dtype, dims in _ARRAY.findall(text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += count * _DTYPE_BYTES[dtype]
+        first = first or dtype
+    return total, first
+
+
+def _group_size(attrs: str, num_devices: int) -> int:
+    if match := _GROUPS_MESH.search(attrs):
+        sizes = {k.strip("'"): int(v) for k, v in re.findall(r"('[^']+')=(\d+)", match.group(1))}
+        size = 1
+        for axis in filter(None, (a.strip() for a in match.group(2).split(","))):
+            name, _, sub = axis.partition(":")
+            size *= int(sub.split(")")[1]) if sub else sizes[name.strip("'")]
+        return size
+    if match := _GROUPS_IOTA.search(attrs):
+        return int(match.group(2))
+    if match := _GROUPS_LIST.search(attrs):
+        first = match.group(1).split("}")[0].strip("{")
+        return len([d for d in first.split(",") if d]) or num_devices
+    if _PAIRS.search(attrs):
+        return 2
+    return num_devices  # replica_groups={} means every device
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+    """Every collective in optimized HLO text (`compiled.as_text()`), in program order."""
+    found = []
+    for line in hlo_text.splitlines():
+        match = _OP.search(line)
+        if match is None:
+            continue
+        kind, attrs = match.group("kind"), match.group("attrs") or ""
+        group = _group_size(attrs, num_devices)
+        arrays = _ARRAY.findall(match.group("result"))
+        if match.group("start"):
+            # async starts return (inputs..., outputs..., [u32 contexts]): keep the outputs
+            arrays = [a for a in arrays if a[1]] if kind == "collective-permute" else arrays
+            arrays = arrays[len(arrays) // 2 :] if kind in ("all-gather", "collective-permute") else arrays
+        result_bytes, dtype = _arrays_bytes(" ".join(f"{t}[{d}]" for t, d in arrays))
+        # the result is the buffer, except for reduce-scatter, whose result is one shard
+        buffer = result_bytes * group if kind == "reduce-scatter" else result_bytes
+        shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays)
+        found.append(Collective(kind, group, buffer, dtype, shapes, line.strip()))
+    return found
+
+
+def collective_summary(found: list[Collective]) -> dict[str, dict[str, float]]:
+    """{kind: {count, buffer_bytes, wire_bytes}} for every kind (zeros where absent)."""
+    summary = {kind: {"count": 0, "buffer_bytes": 0, "wire_bytes": 0.0} for kind in KINDS}
+    for c in found:
+        entry = summary[c.kind]
+        entry["count"] += 1
+        entry["buffer_bytes"] += c.buffer_bytes
+        entry["wire_bytes"] += c.wire_bytes
+    return summary
+
+
+def kinds_seen(found: list[Collective]) -> Counter:
+    return Counter(c.kind for c in found)

@@ -1,0 +1,50 @@
+"""Regenerate the golden sharding tables: `python tests/make_golden.py`.
+
+One JSON per layout under tests/golden/: the default model on the bundled 8x8 digits,
+under the layout's default mesh for 8 devices, parameter path -> logical names, shape,
+PartitionSpec and bytes per device. tests/test_golden_shardings.py checks the code still
+places every tensor that way; after an intended change, rerun this and review the diff.
+"""
+
+import contextlib
+
+import jax
+
+with contextlib.suppress(RuntimeError):  # under pytest, conftest has already set 8
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import json
+import warnings
+from pathlib import Path
+
+from jaxcnn.config import ModelConfig
+from jaxcnn.sharding import LAYOUTS, build_mesh, parse_mesh, resolve_mesh
+from jaxcnn.sharding.lint import ShardingReport, golden_table
+from jaxcnn.train import plan_placements
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+DEVICES = 8
+IMAGE_SHAPE = (8, 8, 1)
+
+
+def golden_for(name: str) -> dict:
+    layout = LAYOUTS[name]
+    shape = resolve_mesh(parse_mesh(layout.default_mesh), DEVICES if name != "single" else 1)
+    mesh = build_mesh(shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fallbacks are recorded in the table itself
+        placements = plan_placements(ModelConfig(), layout, mesh, IMAGE_SHAPE)
+    report = ShardingReport(layout, dict(mesh.shape), placements)
+    return {"layout": name, "mesh": dict(mesh.shape), "model": ModelConfig().name, "parameters": golden_table(report)}
+
+
+def main() -> None:
+    GOLDEN.mkdir(exist_ok=True)
+    for name in LAYOUTS:
+        path = GOLDEN / f"{name}.json"
+        path.write_text(json.dumps(golden_for(name), indent=1) + "\n")
+        print("wrote", path.relative_to(GOLDEN.parent.parent))
+
+
+if __name__ == "__main__":
+    main()
