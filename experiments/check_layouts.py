@@ -55,7 +55,7 @@ def main(argv=None) -> list[dict]:
         dataset = synthetic_dataset(parse_image_shape(args.synthetic), args.synthetic_size, model_config.num_classes, 0)
     else:
         dataset = load_csv(args.data, channels=args.channels, num_classes=model_config.num_classes)
-    simulate_cpu_devices(args.devices)
+    simulate_cpu_devices(args.devices, at_least=True)
     if len(jax.devices()) < args.devices:
         raise UserError(f"--devices {args.devices} but only {len(jax.devices())} devices exist")
 
@@ -73,7 +73,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for layout in layouts:
         mesh_shape = resolve_mesh(parse_mesh(layout.default_mesh), args.devices)
-        check_layout_axes(layout.mesh_axes, mesh_shape, layout.name)
+        check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes)
         losses, program = run(layout, mesh_shape)
         report = lint(layout, program.mesh, program.placements, program.train_step)
         row = {

@@ -19,6 +19,7 @@ from jaxcnn.errors import UserError
 from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
 from jaxcnn.sharding.lint import format_report, lint
 from jaxcnn.sharding.mesh import check_layout_axes, host_devices_for, simulate_cpu_devices
+from jaxcnn.sharding.pipeline import build_pipeline_program, pipeline_record, pipeline_summary
 from jaxcnn.train import build_program, fit, steps_plan
 
 PROG = "train.py"
@@ -48,7 +49,7 @@ def main(argv=None) -> dict:
     train_config = cli.train_from_flags(args)
     layout = parse_rules(args.layout_rules) if args.layout_rules else get_layout(args.layout)
     mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
-    for note in check_layout_axes(layout.mesh_axes, mesh_shape, layout.name):
+    for note in check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes):
         warnings.warn(note, stacklevel=1)
     if args.run_name:
         results.check_run_name(args.run_name)
@@ -82,19 +83,21 @@ def main(argv=None) -> dict:
 
     # --- compile and train ------------------------------------------------------------
     _, total_steps = steps_plan(len(train_set), train_config)
-    program = build_program(
-        model_config,
-        optim_config,
-        layout,
-        mesh,
-        train_set.image_shape,
-        train_config.batch_size,
-        total_steps,
-        seed=train_config.seed,
-        eval_batch_size=train_config.eval_batch_size,
-    )
+    common = dict(seed=train_config.seed, eval_batch_size=train_config.eval_batch_size)
+    shape, batch = train_set.image_shape, train_config.batch_size
+    if layout.stage_axis:
+        program = build_pipeline_program(
+            model_config, optim_config, layout, mesh, shape, batch, total_steps,
+            microbatches=args.microbatches, stage_split=args.stage_split, **common,
+        )  # fmt: skip
+        print(pipeline_summary(program))
+    else:
+        if args.microbatches or args.stage_split:
+            raise UserError("--microbatches and --stage-split apply to --layout pipeline only")
+        program = build_program(model_config, optim_config, layout, mesh, shape, batch, total_steps, **common)
     if args.print_shardings and jax.process_index() == 0:
-        print(format_report(lint(layout, mesh, program.placements, program.train_step)))
+        compiled = None if layout.stage_axis else program.train_step  # pipeline: per-stage programs
+        print(format_report(lint(layout, mesh, program.placements, compiled)))
     state = program.init()
     outcome = fit(program, state, train_set, test_set, train_config, progress=not args.quiet)
 
@@ -111,6 +114,7 @@ def main(argv=None) -> dict:
         "platform": devices[0].platform,
         "simulated_devices": simulated,
         "num_params": program.num_params,
+        **(pipeline_record(program) if layout.stage_axis else {}),
         "global_batch_size": train_config.batch_size,
         "epochs": len(outcome.epochs),
         "steps": outcome.steps,

@@ -55,7 +55,9 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--layout", default="dp", help="single, dp, fsdp, tp, hybrid, spatial (default %(default)s)")
+    g.add_argument(
+        "--layout", default="dp", help="single, dp, fsdp, tp, hybrid, spatial, pipeline (default %(default)s)"
+    )
     g.add_argument("--layout-rules", help="your own rules table, e.g. batch=data,conv_out=model")
     g.add_argument("--mesh", help="mesh shape, e.g. data=4,model=2 (-1 fills the rest); default: the layout's")
     g.add_argument(
@@ -63,6 +65,16 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         help=f"simulate N CPU devices (default on a CPU-only machine: what the mesh needs, else "
         f"{DEFAULT_SIMULATED_DEVICES})",
+    )
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        help="pipeline: micro-batches per step (default 2 x stages, fewer to keep 16+ images each); must divide the batch",
+    )
+    g.add_argument(
+        "--stage-split",
+        type=int_list,
+        help="pipeline: first layer of each stage after the first, e.g. 2,4 (default: balanced by FLOPs)",
     )
     g.add_argument(
         "--print-shardings",

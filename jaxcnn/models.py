@@ -21,6 +21,7 @@ pairs:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -80,34 +81,60 @@ class ConvBlock(nnx.Module):
         return constrain(y, ax.IMAGE_BHWC)
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer's geometry and the logical names of its channel spaces."""
+
+    kind: str  # "conv" | "dense"
+    in_features: int
+    features: int
+    space_in: str
+    space_out: str
+    height: int = 1  # conv: input height and width (SAME conv keeps them; the pool halves)
+    width: int = 1
+
+
+def layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int]) -> list[LayerShape]:
+    """Every layer of the model in order: the one description both the model and the
+    analytic cost model (jaxcnn.sharding.comm_model) are built from."""
+    height, width, in_features = image_shape
+    layers, space_in = [], ax.CONV_IN
+    for features, space_out in zip(config.conv_features, conv_channel_spaces(len(config.conv_features)), strict=True):
+        layers.append(LayerShape("conv", in_features, features, space_in, space_out, height, width))
+        space_in, in_features = space_out, features
+        height, width = -(-height // 2), -(-width // 2)  # SAME pooling rounds up
+    in_features, space_in = height * width * in_features, ax.EMBED
+    widths = (*config.dense_features, config.num_classes)
+    for j, features in enumerate(widths):
+        space_out = ax.CLASSES if j == len(widths) - 1 else (ax.MLP if space_in == ax.EMBED else ax.EMBED)
+        layers.append(LayerShape("dense", in_features, features, space_in, space_out))
+        in_features, space_in = features, space_out
+    return layers
+
+
 class CNN(nnx.Module):
     def __init__(self, config: ModelConfig, image_shape: tuple[int, int, int], *, rngs: nnx.Rngs):
-        height, width, channels = image_shape
-        spaces = conv_channel_spaces(len(config.conv_features))
-        space_in, in_features = ax.CONV_IN, channels
-        blocks = []
-        for features, space_out in zip(config.conv_features, spaces, strict=True):
-            blocks.append(ConvBlock(in_features, features, space_in, space_out, config.norm, rngs))
-            space_in, in_features = space_out, features
-            height, width = -(-height // 2), -(-width // 2)  # SAME pooling rounds up
-        self.blocks = nnx.List(blocks)
-
-        dense, in_features, space_in = [], height * width * in_features, ax.EMBED
-        widths = (*config.dense_features, config.num_classes)
-        for j, features in enumerate(widths):
-            last = j == len(widths) - 1
-            space_out = ax.CLASSES if last else (ax.MLP if space_in == ax.EMBED else ax.EMBED)
-            dense.append(
+        layers = layer_shapes(config, image_shape)
+        self.blocks = nnx.List(
+            [
+                ConvBlock(layer.in_features, layer.features, layer.space_in, layer.space_out, config.norm, rngs)
+                for layer in layers
+                if layer.kind == "conv"
+            ]
+        )
+        self.dense = nnx.List(
+            [
                 nnx.Linear(
-                    in_features,
-                    features,
-                    kernel_metadata=_named(space_in, space_out),
-                    bias_metadata=_named(space_out),
+                    layer.in_features,
+                    layer.features,
+                    kernel_metadata=_named(layer.space_in, layer.space_out),
+                    bias_metadata=_named(layer.space_out),
                     rngs=rngs,
                 )
-            )
-            in_features, space_in = features, space_out
-        self.dense = nnx.List(dense)
+                for layer in layers
+                if layer.kind == "dense"
+            ]
+        )
         self.dropout = nnx.Dropout(config.dropout)
 
     def __call__(self, x_BHWC: jax.Array, *, train: bool = False, rngs: nnx.Rngs | None = None) -> jax.Array:

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxcnn.compiling import compile_all, cpu_init_options
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
 from jaxcnn.data import Dataset, Prefetcher, eval_batches, to_global, train_batches
 from jaxcnn.errors import UserError
@@ -61,13 +62,17 @@ class Program:
     batch_size: int
     eval_batch_size: int
     state_shardings: TrainState
+    abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
     batch_shardings: tuple[NamedSharding, NamedSharding]  # train (images, labels)
     eval_shardings: tuple[NamedSharding, NamedSharding, NamedSharding]  # (images, labels, mask)
     placements: list[ParamPlacement]  # parameters, then model state (BN statistics)
+    compute_placements: list[ParamPlacement]  # parameters as used for compute (FSDP: gathered)
     num_params: int
-    init: Callable[[], TrainState]  # compiled: () -> state, each device creating its own shards
+    init: Callable[[], TrainState] | None  # compiled: () -> state, each device creating its own shards
     train_step: Any  # compiled: (state, images, labels) -> (state, metrics)
-    eval_step: Any  # compiled: (state, images, labels, mask) -> (loss_sum, correct_sum, predictions)
+    eval_step: (
+        Any  # compiled: (state, images, labels, mask) -> (loss_sum, correct_sum, predictions); None if train_step_only
+    )
     compile_seconds: float
 
 
@@ -118,8 +123,10 @@ def build_program(
     total_steps: int,
     seed: int = 0,
     eval_batch_size: int | None = None,
+    train_step_only: bool = False,
 ) -> Program:
-    """Shapes -> shardings -> compiled init, train and eval steps. Nothing is allocated."""
+    """Shapes -> shardings -> compiled init, train and eval steps. Nothing is allocated.
+    `train_step_only`: skip compiling init and eval (for cost inspection and planning)."""
     eval_batch_size = eval_batch_size or batch_size
     tx = make_optimizer(optim_config, total_steps)
 
@@ -134,12 +141,12 @@ def build_program(
     # --- shard: every array's placement, from the layout's rules ----------------------
     replicated = NamedSharding(mesh, P())
     param_shardings, placements = place_variables(abstract.params, layout, mesh)
-    compute_shardings = None
+    compute_shardings, compute_placements = None, placements
     if layout.lookup(ax.PARAMS)[0]:  # FSDP: where parameters live for compute (gathered)
         gathered = dataclasses.replace(layout, rules=tuple(r for r in layout.rules if r[0] != ax.PARAMS))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the same fallbacks were just reported
-            compute_shardings, _ = place_variables(abstract.params, gathered, mesh)
+            compute_shardings, compute_placements = place_variables(abstract.params, gathered, mesh)
     stat_shardings, stat_placements = place_variables(abstract.model_state, layout, mesh)
     state_shardings = TrainState(
         step=replicated,
@@ -160,32 +167,25 @@ def build_program(
     )
     images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sharding)
     labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sharding)
-    train_step = (
-        jax.jit(
+    lowered = {
+        "train": jax.jit(
             lambda state, x, y: _train_step(graphdef, tx, layout, mesh, compute_shardings, state, x, y),
             in_shardings=(state_shardings, image_sharding, label_sharding),
             out_shardings=(state_shardings, replicated),
             donate_argnums=0,
-        )
-        .lower(abstract_state, images, labels)
-        .compile()
-    )
-    eval_images = jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=eval_image_sharding)
-    eval_labels = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=eval_vector_sharding)
-    eval_mask = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=eval_vector_sharding)
-    eval_step = (
-        jax.jit(
+        ).lower(abstract_state, images, labels)
+    }
+    if not train_step_only:
+        eval_images = jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=eval_image_sharding)
+        eval_labels = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=eval_vector_sharding)
+        eval_mask = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=eval_vector_sharding)
+        lowered["eval"] = jax.jit(
             lambda state, x, y, m: _eval_step(graphdef, layout, mesh, state, x, y, m),
             in_shardings=(state_shardings, eval_image_sharding, eval_vector_sharding, eval_vector_sharding),
             out_shardings=(replicated, replicated, replicated),
-        )
-        .lower(abstract_state, eval_images, eval_labels, eval_mask)
-        .compile()
-    )
-    # Init runs once; on CPU, LLVM spends seconds optimising each unrolled threefry
-    # initializer, so compile it unoptimised (same values to ~1e-7, 2-3x faster compile).
-    options = {"xla_backend_optimization_level": 0} if mesh.devices.flat[0].platform == "cpu" else None
-    init_sharded = jax.jit(init, out_shardings=state_shardings).lower().compile(compiler_options=options)
+        ).lower(abstract_state, eval_images, eval_labels, eval_mask)
+        lowered["init"] = jax.jit(init, out_shardings=state_shardings).lower()
+    compiled = compile_all(lowered, {"init": cpu_init_options(mesh)})
     compile_seconds = time.perf_counter() - start
 
     return Program(
@@ -195,13 +195,15 @@ def build_program(
         batch_size=batch_size,
         eval_batch_size=eval_batch_size,
         state_shardings=state_shardings,
+        abstract_state=abstract_state,
         batch_shardings=(image_sharding, label_sharding),
         eval_shardings=(eval_image_sharding, eval_vector_sharding, eval_vector_sharding),
         placements=placements + stat_placements,
+        compute_placements=compute_placements,
         num_params=sum(math.prod(p.shape) for p in placements),
-        init=init_sharded,
-        train_step=train_step,
-        eval_step=eval_step,
+        init=compiled.get("init"),
+        train_step=compiled["train"],
+        eval_step=compiled.get("eval"),
         compile_seconds=compile_seconds,
     )
 

@@ -46,12 +46,16 @@ def _optim():
     return OptimConfig(learning_rate=1e-2, warmup_steps=2)
 
 
-def load_train_module():
-    """experiments/train.py as a module, to call its main() in-process."""
-    spec = importlib.util.spec_from_file_location("train_cli", REPO / "experiments/train.py")
+def load_script(name: str):
+    """experiments/<name>.py as a module, to call its main() in-process."""
+    spec = importlib.util.spec_from_file_location(f"experiment_{name}", REPO / f"experiments/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_train_module():
+    return load_script("train")
 
 
 @functools.cache

@@ -85,11 +85,12 @@ def build_mesh(shape: MeshShape, devices: list | None = None) -> Mesh:
     return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
 
 
-def simulate_cpu_devices(count: int) -> None:
+def simulate_cpu_devices(count: int, at_least: bool = False) -> None:
     """Give the CPU backend `count` devices. Must run before JAX touches any device.
 
     On a GPU machine this only affects the (unused) CPU backend, so it is harmless. Once
-    JAX has started, asking again for the count it already has is a no-op.
+    JAX has started, asking again for the count it already has is a no-op (with
+    `at_least`, any count >= `count` is accepted: meshes take the first devices).
     """
     if count < 1:
         raise UserError(f"--host-devices must be at least 1, got {count}")
@@ -97,16 +98,19 @@ def simulate_cpu_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:
         have = len(jax.devices("cpu"))
-        if have != count:
+        if have != count and not (at_least and have >= count):
             raise UserError(
                 f"JAX already started with {have} CPU devices, so {count} cannot be simulated; "
                 "set the count before anything touches a device"
             ) from None
 
 
-def check_layout_axes(layout_axes: tuple[str, ...], shape: MeshShape, layout_name: str) -> list[str]:
-    """Every axis the layout splits over must be in the mesh; unused mesh axes are noted."""
-    missing = [a for a in layout_axes if a not in shape]
+def check_layout_axes(
+    layout_axes: tuple[str, ...], shape: MeshShape, layout_name: str, optional: tuple[str, ...] = ()
+) -> list[str]:
+    """Every axis the layout splits over must be in the mesh (but `optional` ones, which
+    a mesh may leave out); unused mesh axes are noted."""
+    missing = [a for a in layout_axes if a not in shape and a not in optional]
     if missing:
         example = ",".join([*(f"{k}={v}" for k, v in shape.items()), *(f"{a}=2" for a in missing)])
         raise UserError(

@@ -110,15 +110,36 @@ def _live_axes(target, mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in _mesh_axes_tuple(target) if a in mesh.shape and mesh.shape[a] > 1)
 
 
-def activation_spec(logical: LogicalNames, layout: Layout, mesh: Mesh) -> P:
+def activation_spec(logical: LogicalNames, layout: Layout, mesh: Mesh, shape: Sequence[int] | None = None) -> P:
+    """PartitionSpec of an activation. Given its `shape`, an image dimension (height,
+    width) is split only while each device keeps at least `MIN_ROWS_PER_SHARD` rows;
+    below that it is gathered whole (see `MIN_ROWS_PER_SHARD`)."""
     entries = []
-    for name in logical:
+    for dim, name in enumerate(logical):
         known, target = layout.lookup(name)
         if not known:
             entries.append(P.UNCONSTRAINED)
             continue
-        entries.append(_as_spec_entry(tuple(a for a in _mesh_axes_tuple(target) if a in mesh.shape)))
+        axes = tuple(a for a in _mesh_axes_tuple(target) if a in mesh.shape)
+        if (
+            shape is not None
+            and name in SPATIAL_NAMES
+            and not spatial_split_ok(shape[dim], math.prod(mesh.shape[a] for a in axes))
+        ):
+            axes = ()
+        entries.append(_as_spec_entry(axes))
     return P(*entries)
+
+
+# A 3x3 conv on a shard of one row needs a halo as big as the shard from each side; XLA
+# then splits the kernel's gradient instead, padding kh 3 -> 4 and gathering it (seen:
+# 1.2 MB per step on 8x8 digits). So image dims stay split only while shards keep 2 rows.
+MIN_ROWS_PER_SHARD = 2
+SPATIAL_NAMES = ("height", "width")
+
+
+def spatial_split_ok(size: int, ways: int) -> bool:
+    return ways == 1 or (size % ways == 0 and size // ways >= MIN_ROWS_PER_SHARD)
 
 
 def data_sharding(logical: LogicalNames, shape: Sequence[int], layout: Layout, mesh: Mesh, what: str) -> NamedSharding:
@@ -223,4 +244,4 @@ def constrain(x: jax.Array, logical: LogicalNames) -> jax.Array:
     if active is None:
         return x
     layout, mesh = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(logical, layout, mesh)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(logical, layout, mesh, x.shape)))

@@ -1,0 +1,132 @@
+"""Compare layouts from the compiled program: memory, FLOPs and collective bytes per
+device beside the analytic model, and (with --steps) measured step time and speed-up
+against the single-device baseline.
+
+python experiments/compare_layouts.py                                   # bundled digits, 8 devices
+python experiments/compare_layouts.py --synthetic 224x224x3 --batch-size 16 --steps 3
+python experiments/compare_layouts.py --layouts dp,hybrid --mesh data=2,model=4 --steps 0
+
+Byte columns are per device per optimizer step, in *buffer* bytes (the array a collective
+works on; see jaxcnn/sharding/inspect.py); comm_wire_bytes[_model] give ring traffic.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import jax
+
+from jaxcnn import cli, plots, results
+from jaxcnn.data import load_csv, parse_image_shape
+from jaxcnn.errors import UserError
+from jaxcnn.measure import COMPARE_COLUMNS, add_speedups, measure_layout, measure_pipeline
+from jaxcnn.sharding import LAYOUTS, get_layout, parse_mesh, resolve_mesh
+from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
+
+PROG = "compare_layouts.py"
+
+
+def parse_flags(argv=None):
+    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    cli.add_model_flags(parser)
+    cli.add_data_flags(parser)
+    g = parser.add_argument_group("comparison")
+    g.add_argument("--layouts", default=",".join(n for n in LAYOUTS if n != "single"), help="comma-separated")
+    g.add_argument("--devices", type=int, default=cli.DEFAULT_SIMULATED_DEVICES, help="devices for each layout")
+    g.add_argument("--mesh", help="force this mesh on every layout (default: each layout's own for --devices)")
+    g.add_argument("--batch-size", type=int, default=64, help="global batch")
+    g.add_argument("--steps", type=int, default=10, help="steps to time per layout (0: compile only)")
+    g.add_argument("--microbatches", type=int, help="pipeline rows: micro-batches (default 2 x stages)")
+    g.add_argument("--out", default="results/compare_layouts.csv")
+    g.add_argument("--plot", default="results/compare_layouts.png")
+    return parser.parse_args(argv)
+
+
+def mesh_for(layout, args) -> dict[str, int]:
+    shape = resolve_mesh(parse_mesh(args.mesh or layout.default_mesh), args.devices)
+    for note in check_layout_axes(layout.mesh_axes, shape, layout.name, layout.optional_axes):
+        warnings.warn(note, stacklevel=1)
+    return shape
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_flags(argv)
+    if args.steps < 0:
+        raise UserError(f"--steps must be >= 0, got {args.steps}")
+    if args.devices < 1:
+        raise UserError(f"--devices must be at least 1, got {args.devices}")
+    model_config = cli.model_from_flags(args)
+    layouts = [
+        get_layout(name.strip()) for name in args.layouts.split(",") if name.strip() and name.strip() != "single"
+    ]
+    meshes = [mesh_for(layout, args) for layout in layouts]  # bad meshes fail before any compile
+    out, plot = Path(args.out), Path(args.plot) if args.plot else None
+    for path in filter(None, (out, plot)):
+        results.ensure_writable_dir(path.parent)
+    data = None
+    if args.synthetic:
+        image_shape = parse_image_shape(args.synthetic)
+    else:
+        data = load_csv(args.data, channels=args.channels, num_classes=model_config.num_classes)
+        image_shape = data.image_shape
+        if len(data) < args.batch_size:
+            raise UserError(f"--batch-size {args.batch_size} exceeds the {len(data)} images in {args.data}")
+    simulate_cpu_devices(args.devices, at_least=True)
+    if len(jax.devices()) < args.devices:
+        raise UserError(f"--devices {args.devices}, but only {len(jax.devices())} devices exist")
+    simulated = jax.devices()[0].platform == "cpu" and args.devices > 1
+
+    rows = []
+    plan = [(get_layout("single"), {"data": 1}), *zip(layouts, meshes, strict=True)]
+    for i, (layout, mesh_shape) in enumerate(plan, 1):
+        print(
+            f"[{i}/{len(plan)}] {layout.name} on {','.join(f'{k}={v}' for k, v in mesh_shape.items())} ...", flush=True
+        )
+        if layout.stage_axis:
+            row = measure_pipeline(
+                model_config, layout, mesh_shape, image_shape, args.batch_size, steps=args.steps,
+                microbatches=args.microbatches, data=data,
+            )  # fmt: skip
+        else:
+            row = measure_layout(
+                model_config, layout, mesh_shape, image_shape, args.batch_size, steps=args.steps, data=data
+            )
+        rows.append(row)
+    add_speedups(rows, rows[0])
+    for row in rows:
+        row["comm_ratio"] = row["comm_bytes"] / row["comm_bytes_model"] if row["comm_bytes_model"] else None
+        row["simulated_devices"] = simulated
+    results.write_csv(out, rows, COMPARE_COLUMNS + [c for c in rows[0] if c not in COMPARE_COLUMNS])
+    print(format_table(rows))
+    if simulated and args.steps:
+        print("note: simulated CPU devices share this machine's cores: compare ratios within this run only")
+    written = [out]
+    if plot:
+        title = f"{model_config.name}, batch {args.batch_size}, {'x'.join(map(str, image_shape))} images"
+        written.append(plots.compare_plot(rows, plot, title))
+    print("wrote", ", ".join(map(str, written)))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    def mib(x):
+        return f"{x / 2**20:9.2f}"
+
+    head = f"{'layout':<8} {'mesh':<18} {'params MiB':>10} {'opt MiB':>9} {'temp MiB':>9} {'GFLOP':>8} "
+    head += f"{'comm MiB':>9} {'model MiB':>9} {'ratio':>6} {'img/s':>8} {'speedup':>7}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = f"{r['comm_ratio']:6.3f}" if r["comm_ratio"] else "     -"
+        ips = f"{r['images_per_second']:8.0f}" if r["images_per_second"] else "       -"
+        speed = f"{r['speedup']:7.2f}" if r["speedup"] else "      -"
+        lines.append(
+            f"{r['layout']:<8} {r['mesh']:<18} {mib(r['param_bytes_per_device']):>10} "
+            f"{mib(r['optimizer_bytes_per_device'])} {mib(r['temp_bytes_per_device'])} {r['flops_per_device'] / 1e9:8.3f} "
+            f"{mib(r['comm_bytes'])} {mib(r['comm_bytes_model'])} {ratio} {ips} {speed}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    cli.run_main(PROG, main)

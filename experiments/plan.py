@@ -1,0 +1,82 @@
+"""Plan a layout before renting the cluster: compile every layout x mesh factorisation for
+N devices ahead of time, drop what does not fit the per-device memory budget, rank the
+rest by modelled step time on a hardware profile, and say why.
+
+python experiments/plan.py --devices 8 --budget 16GiB --hardware tpu-v5e --synthetic 224x224x3 --batch-size 256
+python experiments/plan.py --devices 8 --budget 4MiB                # bundled digits, this machine
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxcnn import cli, results
+from jaxcnn.data import load_csv, parse_image_shape
+from jaxcnn.errors import UserError
+from jaxcnn.sharding.hardware import PROFILES, get_profile, parse_bytes
+from jaxcnn.sharding.mesh import simulate_cpu_devices
+from jaxcnn.sharding.planner import explain, plan
+
+PROG = "plan.py"
+
+
+def parse_flags(argv=None):
+    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    cli.add_model_flags(parser)
+    cli.add_data_flags(parser)
+    g = parser.add_argument_group("plan")
+    g.add_argument("--devices", type=int, default=8)
+    g.add_argument("--budget", default="16GiB", help="memory per device, e.g. 16GiB, 80GB, 512MiB")
+    g.add_argument("--hardware", default="h100", help=f"one of {', '.join(PROFILES)} (default %(default)s)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="which peak FLOP/s to use")
+    g.add_argument("--batch-size", type=int, default=64, help="global batch")
+    g.add_argument("--layouts", help="only these layouts, comma-separated (default: all)")
+    g.add_argument("--top", type=int, default=3)
+    g.add_argument("--out", default=None, help="CSV of every candidate (optional)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_flags(argv)
+    if args.devices < 1:
+        raise UserError(f"--devices must be at least 1, got {args.devices}")
+    budget, profile = parse_bytes(args.budget), get_profile(args.hardware)
+    model_config = cli.model_from_flags(args)
+    out = Path(args.out) if args.out else None
+    if out:
+        results.ensure_writable_dir(out.parent)
+    if args.synthetic:
+        image_shape = parse_image_shape(args.synthetic)
+    else:
+        image_shape = load_csv(args.data, channels=args.channels).image_shape
+    simulate_cpu_devices(args.devices, at_least=True)  # compile for N devices; nothing runs on them
+
+    def progress(i, total, layout, mesh_shape):
+        print(
+            f"[{i + 1}/{total}] compiling {layout.name} on {','.join(f'{k}={v}' for k, v in mesh_shape.items())}",
+            flush=True,
+        )
+
+    candidates = plan(
+        model_config, image_shape, args.batch_size, args.devices, budget, profile, dtype=args.dtype, progress=progress
+    )
+    print(
+        f"\n{model_config.name}, batch {args.batch_size}, {'x'.join(map(str, image_shape))} images, "
+        f"{args.devices} x {profile.name}, {args.dtype}:"
+    )
+    print(explain(candidates, budget, args.top))
+    if out:
+        rows = [
+            {"rank": i + 1, "layout": c.layout.name, "mesh": c.mesh, "fits": c.error is None and c.peak_bytes <= budget,
+             "peak_bytes_per_device": c.peak_bytes, "param_bytes_per_device": c.param_bytes,
+             "optimizer_bytes_per_device": c.optimizer_bytes, "flops_per_device": c.flops, "wire_bytes": c.wire_bytes,
+             "num_collectives": c.num_collectives, "compute_seconds": c.compute_seconds,
+             "comm_seconds": c.comm_seconds, "step_seconds_model": c.step_seconds, "error": c.error}
+            for i, c in enumerate(candidates)
+        ]  # fmt: skip
+        print("wrote", results.write_csv(out, rows))
+    return candidates
+
+
+if __name__ == "__main__":
+    cli.run_main(PROG, main)

@@ -1,0 +1,114 @@
+"""PNG figures for the comparison and scaling reports (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def _save(fig, path: Path) -> Path:
+    """Write atomically: a failed plot never leaves half a PNG where a good one was."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png.tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def compare_plot(rows: list[dict], path: Path, title: str) -> Path:
+    """Three panels: memory per device, bytes moved (measured vs model), images/s."""
+    labels = [r["layout"] + "\n" + r["mesh"].replace(",", "\n") for r in rows]
+    x = range(len(rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    mib = 2**20
+
+    ax = axes[0]
+    bottom = [0.0] * len(rows)
+    for key, name in [
+        ("param_bytes_per_device", "parameters"),
+        ("optimizer_bytes_per_device", "optimizer"),
+        ("temp_bytes_per_device", "activations + scratch"),
+    ]:
+        values = [r[key] / mib for r in rows]
+        ax.bar(x, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_title("memory per device (MiB)")
+    ax.legend(fontsize=8)
+
+    ax = axes[1]
+    width = 0.4
+    ax.bar([i - width / 2 for i in x], [r["comm_bytes"] / mib for r in rows], width, label="measured (HLO)")
+    ax.bar([i + width / 2 for i in x], [r["comm_bytes_model"] / mib for r in rows], width, label="analytic model")
+    ax.set_title("collective buffer bytes per device per step (MiB)")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    speeds = [r["images_per_second"] or 0 for r in rows]
+    bars = ax.bar(x, speeds, color="tab:green")
+    for bar, r in zip(bars, rows, strict=True):
+        if r.get("speedup"):
+            ax.annotate(
+                f"{r['speedup']:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+    ax.set_title("training images/s (speed-up vs single)")
+    if not any(speeds):
+        ax.text(0.5, 0.5, "not timed (--steps 0)", ha="center", va="center", transform=ax.transAxes)
+        ax.set_yticks([])
+
+    for ax in axes:
+        ax.set_xticks(list(x), labels, fontsize=8)
+    simulated = " -- simulated CPU devices share 2 cores" if rows and rows[-1].get("simulated_devices") else ""
+    fig.suptitle(title + simulated, y=1.02)
+    return _save(fig, path)
+
+
+def scaling_plot(rows: list[dict], path: Path, title: str, verdict: str = "") -> Path:
+    """Speed-up vs devices against the ideal line, and where step time goes."""
+    devices = [r["num_devices"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    ax = axes[0]
+    ax.plot(devices, [r["speedup"] for r in rows], "o-", label="measured")
+    ax.plot(devices, devices, "--", color="gray", label="ideal (linear)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(devices, [str(d) for d in devices])
+    ticks = sorted({*devices, *(2.0**k for k in range(-3, 1))})
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("speed-up vs single device")
+    ax.legend(fontsize=8)
+    ax.set_title("speed-up")
+
+    ax = axes[1]
+    x = range(len(rows))
+    wait = [r["input_wait_fraction"] for r in rows]
+    comm = [r["comm_fraction_model"] for r in rows]
+    compute = [max(0.0, 1 - w - c) for w, c in zip(wait, comm, strict=True)]
+    ax.bar(x, compute, label="compute (rest)")
+    ax.bar(x, comm, bottom=compute, label="communication (modelled)")
+    ax.bar(x, wait, bottom=[a + b for a, b in zip(compute, comm, strict=True)], label="waiting for input")
+    ax.set_xticks(list(x), [str(d) for d in devices])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("share of step time")
+    ax.legend(fontsize=8)
+    ax.set_title("where a step's time goes")
+    fig.suptitle(title, y=1.04)
+    if verdict:
+        fig.text(0.5, -0.04, "verdict: " + verdict, ha="center", fontsize=10, weight="bold")
+    return _save(fig, path)

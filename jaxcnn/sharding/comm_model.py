@@ -1,0 +1,179 @@
+"""Analytic communication model: the bytes each layout *should* move per training step.
+
+Set beside what XLA compiled (jaxcnn.sharding.inspect) it says whether the compiler did
+what theory predicts. Same convention as the inspector: **buffer bytes** per device (the
+logical array a collective works on: the reduced array, the gathered whole, the
+unscattered input, the sent halo); `wire_bytes` turns a buffer into ring traffic.
+Sources: Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms" (2009) for the ring
+costs; "How to Scale Your Model" (Austin et al., 2025), chs. 3 and 5, for the dp / fsdp /
+tp patterns; Megatron-LM (Shoeybi et al., 2019) for column -> row pairs; Dryden et al.,
+"Improving strong-scaling of CNN training by exploiting finer-grained parallelism"
+(2019) for spatial halos.
+
+With B the global batch, f the bytes of an element, D the data-parallel degree (the mesh
+axes `batch` maps to), M the tensor-parallel degree (`conv_out` / `mlp`), S the spatial
+degree (`height`), G = D x S the devices holding different data for one parameter:
+
+- gradients: an all-reduce over G of every parameter's bytes *as used for compute*
+  (a tp shard is P/M); the FSDP-split ones are reduce-scattered instead, same buffer.
+  Plus the loss and accuracy scalars. Under spatial, XLA reduces conv gradients over
+  `spatial` and then over `data` (two all-reduces); the dense head, fed the gathered
+  activation, only over `data`.
+- FSDP: one all-gather of each split parameter per step (gathered once, kept for backward).
+- batch norm, if G > 1: per layer 4 x C_local x f (once per axis, as gradients) (forward: sum and sum of squares;
+  backward: the two matching reductions of the cotangent), C_local = C / M when split.
+- tensor parallelism, M > 1: every row layer all-reduces its output activation forward
+  (B/D x H x W x C_out x f); every column layer whose input needs a gradient all-reduces
+  that gradient backward (B/D x H x W x C_in x f).
+- spatial, S > 1: a 3x3 SAME conv on a height-split input needs one row from each
+  neighbour: forward 2 x (B/D x W x C_in x f); backward the input gradient needs the
+  output gradient's halo rows 2 x (B/D x W x C_out x f) (not for the first conv), and
+  the weight gradient the input's halo rows again 2 x (B/D x W x C_in x f). The flatten
+  all-gathers the last pooled activation over `spatial` (B/D x H x W x C x f).
+
+Not modelled (small, stated so the ratios can be read): under tp, a column layer's
+batch-norm vectors are gathered from their split channels (8 x C x f per such layer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxcnn.config import ModelConfig
+from jaxcnn.sharding import axes as ax
+from jaxcnn.sharding.inspect import KINDS
+from jaxcnn.sharding.layouts import Layout
+from jaxcnn.sharding.partition import ParamPlacement, spatial_split_ok
+
+
+@dataclass(frozen=True)
+class CommTerm:
+    kind: str  # a collective kind (jaxcnn.sharding.inspect.KINDS)
+    what: str  # which term of the model, for the report
+    group_size: int
+    buffer_bytes: float
+
+    @property
+    def wire_bytes(self) -> float:
+        n = self.group_size
+        if self.kind == "all-reduce":
+            return 2 * (n - 1) / n * self.buffer_bytes
+        if self.kind == "collective-permute":
+            return self.buffer_bytes
+        return (n - 1) / n * self.buffer_bytes
+
+
+def _degree(layout: Layout, logical: str, mesh_shape: dict[str, int]) -> int:
+    _, target = layout.lookup(logical)
+    axes = (target,) if isinstance(target, str) else tuple(target or ())
+    return math.prod(mesh_shape.get(a, 1) for a in axes)
+
+
+def comm_terms(
+    config: ModelConfig,
+    image_shape: tuple[int, int, int],
+    batch_size: int,
+    layout: Layout,
+    mesh_shape: dict[str, int],
+    placements: list[ParamPlacement],
+    compute_bytes: dict[str, int],
+    itemsize: int = 4,
+) -> list[CommTerm]:
+    """The model's terms for one step. `compute_bytes`: parameter path -> bytes per device
+    as used for compute (FSDP's split undone); `placements` say which are FSDP-split."""
+    from jaxcnn.models import layer_shapes  # here: jaxcnn.models imports this package
+
+    d = _degree(layout, ax.BATCH, mesh_shape)
+    s = _degree(layout, ax.HEIGHT, mesh_shape)
+    g = d * s
+    local_batch = batch_size / d
+    terms: list[CommTerm] = []
+    _, fsdp_target = layout.lookup(ax.PARAMS)
+    fsdp_axes = set((fsdp_target,) if isinstance(fsdp_target, str) else (fsdp_target or ()))
+
+    def fsdp_split(p: ParamPlacement) -> bool:
+        return any(e in fsdp_axes or (isinstance(e, tuple) and fsdp_axes & set(e)) for e in p.spec if e)
+
+    params = [p for p in placements if p.path in compute_bytes]
+    layers = layer_shapes(config, image_shape)
+
+    def reduce_over(what: str, buffer: float, spatially_split: bool) -> None:
+        """A sum over every device that saw other data: XLA reduces over the spatial
+        axis, then over the data axes -- one all-reduce each (hierarchical)."""
+        if spatially_split and s > 1:
+            terms.append(CommTerm("all-reduce", f"{what} (over spatial)", s, buffer))
+        if d > 1:
+            terms.append(CommTerm("all-reduce", f"{what} (over data)", d, buffer))
+
+    # Spatial: which conv layers see a height-split input. The model constrains the image
+    # and every block output; a height stays split while each shard keeps 2 rows
+    # (partition.spatial_split_ok), and is all-gathered where it stops.
+    convs = [layer for layer in layers if layer.kind == "conv"]
+    split_input = []
+    split = s > 1 and spatial_split_ok(convs[0].height, s) if convs else False
+    for i, layer in enumerate(convs):
+        split_input.append(split)
+        out_h, out_w = -(-layer.height // 2), -(-layer.width // 2)
+        still = split and spatial_split_ok(out_h, s) and i < len(convs) - 1  # the flatten gathers
+        if split and not still:
+            gathered = local_batch * out_h * out_w * layer.features * itemsize
+            terms.append(CommTerm("all-gather", "activation gathered where its height stops splitting", s, gathered))
+        split = still
+
+    def spatially_split(p: ParamPlacement) -> bool:
+        parts = p.path.split("/")
+        return parts[0] == "blocks" and split_input[int(parts[1])]
+
+    for on_split in (True, False):
+        group = [p for p in params if spatially_split(p) == on_split and not fsdp_split(p)]
+        if group:
+            reduce_over("gradients", sum(compute_bytes[p.path] for p in group), on_split)
+    if g > 1:
+        terms.append(CommTerm("all-reduce", "loss and accuracy", g, 2 * 4))
+    fsdp_bytes = sum(compute_bytes[p.path] for p in params if fsdp_split(p))
+    if fsdp_bytes and g > 1:
+        terms.append(CommTerm("reduce-scatter", "FSDP gradients to their owners", g, fsdp_bytes))
+    if fsdp_bytes:
+        terms.append(CommTerm("all-gather", "FSDP parameters for compute", g, fsdp_bytes))
+
+    if config.norm == "batch":
+        for layer, on_split in zip(convs, split_input, strict=True):
+            channels = layer.features / _degree(layout, layer.space_out, mesh_shape)
+            reduce_over("batch-norm statistics", 4 * channels * itemsize, on_split)
+
+    for i, layer in enumerate(layers):
+        tp_out = _degree(layout, layer.space_out, mesh_shape)
+        tp_in = _degree(layout, layer.space_in, mesh_shape)
+        pixels = layer.height * layer.width
+        if tp_in > 1:  # a row layer: partial sums of its output
+            terms.append(
+                CommTerm("all-reduce", "tp row-layer outputs", tp_in, local_batch * pixels * layer.features * itemsize)
+            )
+        if tp_out > 1 and i > 0:  # a column layer: the gradient of its (whole) input
+            terms.append(
+                CommTerm(
+                    "all-reduce",
+                    "tp column-layer input gradients",
+                    tp_out,
+                    local_batch * pixels * layer.in_features * itemsize,
+                )
+            )
+        if layer.kind == "conv" and split_input[i]:
+            row_in = local_batch * layer.width * layer.in_features * itemsize
+            row_out = local_batch * layer.width * layer.features * itemsize
+            terms.append(CommTerm("collective-permute", "halo rows, forward", 2, 2 * row_in))
+            terms.append(CommTerm("collective-permute", "halo rows, weight gradient", 2, 2 * row_in))
+            if i > 0:
+                terms.append(CommTerm("collective-permute", "halo rows, input gradient", 2, 2 * row_out))
+    return terms
+
+
+def summarise(terms: list[CommTerm]) -> dict[str, float]:
+    """{kind: buffer bytes} for every kind, plus 'total' and 'wire'."""
+    out = {kind: 0.0 for kind in KINDS}
+    for t in terms:
+        out[t.kind] += t.buffer_bytes
+    out["total"] = sum(t.buffer_bytes for t in terms)
+    out["wire"] = sum(t.wire_bytes for t in terms)
+    return out

@@ -1,0 +1,84 @@
+"""Hardware profiles for the planner: peak FLOP/s, per-device memory, interconnect.
+
+`link_bytes_per_second` is the one-way bandwidth one device can drive into the ring
+collectives (half the vendor's bidirectional figure), the quantity `wire_bytes` (ring
+traffic sent per device) is divided by. `flops_fp32` is what an fp32 JAX program gets:
+on NVIDIA Ampere and later XLA runs fp32 convolutions and matmuls on TF32 tensor cores at
+default precision, so it is the dense TF32 peak there.
+
+Sources (dense, no sparsity):
+- A100 SXM4 80 GB: NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16, 156 TF32, 80 GB,
+  NVLink 3 600 GB/s bidirectional.
+- H100 SXM5: NVIDIA H100 datasheet (2023): 989 TFLOP/s bf16, 495 TF32, 80 GB,
+  NVLink 4 900 GB/s bidirectional.
+- H200 SXM: NVIDIA H200 datasheet (2024): compute as H100, 141 GB, NVLink 900 GB/s.
+- TPU v5e: cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM, ICI 400 GB/s
+  bidirectional per chip. (The MXUs take fp32 as multi-pass bf16: ~1/3 the rate.)
+- cpu-here: measured on the development machine (2 AMD EPYC cores, Dec 2026): a 2048^2
+  fp32 matmul under jit at 62 GFLOP/s, a 64 MiB numpy copy at 8.8 GB/s. Simulated
+  devices share these two cores, so the planner divides both by the device count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxcnn.errors import UserError
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    flops_fp32: float  # per device, FLOP/s
+    flops_bf16: float
+    memory_bytes: float  # per device
+    link_bytes_per_second: float  # one way, per device
+    shared_host: bool = False  # simulated devices split one host's compute and bandwidth
+
+    def flops(self, dtype: str = "float32") -> float:
+        return self.flops_bf16 if dtype == "bfloat16" else self.flops_fp32
+
+
+GB, GiB = 1e9, 2**30
+PROFILES: dict[str, HardwareProfile] = {
+    p.name: p
+    for p in (
+        HardwareProfile("cpu-here", 62e9, 62e9, 24 * GiB, 8.8 * GB, shared_host=True),
+        HardwareProfile("a100", 156e12, 312e12, 80 * GB, 300 * GB),
+        HardwareProfile("h100", 495e12, 989e12, 80 * GB, 450 * GB),
+        HardwareProfile("h200", 495e12, 989e12, 141 * GB, 450 * GB),
+        HardwareProfile("tpu-v5e", 197e12 / 3, 197e12, 16 * GiB, 200 * GB),
+    )
+}
+
+
+def get_profile(name: str) -> HardwareProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise UserError(f"unknown hardware profile {name!r}; use one of {', '.join(PROFILES)}") from None
+
+
+def parse_bytes(text: str) -> float:
+    """'16GiB', '512MiB', '80GB', '1e9' -> bytes."""
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+        "b": 1,
+    }
+    clean = text.strip().lower().replace(" ", "")
+    unit = next((u for u in units if clean.endswith(u)), None)
+    number, factor = (clean[: -len(unit)], units[unit]) if unit else (clean, 1)
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise UserError(f"cannot read {text!r} as a size; write e.g. 16GiB, 512MiB or 80GB") from None
+    if value <= 0:
+        raise UserError(f"a memory budget must be positive, got {text!r}")
+    return value

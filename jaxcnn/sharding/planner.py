@@ -1,0 +1,189 @@
+"""Layout planner: which layout and mesh to use for a model on N devices of some kind.
+
+    candidates = plan(model_config, (224, 224, 3), batch_size=256, num_devices=8,
+                      budget_bytes=16 * 2**30, profile=get_profile("tpu-v5e"))
+    print(explain(candidates, budget_bytes))
+
+Every mesh factorisation of N x every layout is compiled ahead of time (nothing runs;
+on a CPU-only machine on N simulated devices) and read back: per-device peak memory
+(`memory_analysis`), FLOPs (`cost_analysis`) and every collective (the HLO). Candidates
+over the memory budget are dropped; the rest are ranked by modelled step time, an
+alpha-beta (Hockney) model:
+
+    step = FLOPs per device / peak FLOP/s  +  sum over collectives (alpha + wire bytes / link B/s)
+
+alpha is a collective's fixed latency (~10 us for NCCL on NVLink, a few us on TPU ICI; an
+order of magnitude, not a measurement). Candidates within 3% of each other count as tied
+and the one that splits less wins (dp before hybrid before the rest): same speed, simpler
+program.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from jaxcnn.config import ModelConfig, OptimConfig
+from jaxcnn.errors import UserError
+from jaxcnn.sharding import axes as ax
+from jaxcnn.sharding.hardware import HardwareProfile
+from jaxcnn.sharding.inspect import step_cost
+from jaxcnn.sharding.layouts import LAYOUTS, Layout, parse_rules
+from jaxcnn.sharding.mesh import build_mesh, format_mesh
+
+ALPHA_SECONDS = {"cpu-here": 20e-6, "tpu-v5e": 5e-6}  # default 10 us (GPUs)
+TIE = 0.03
+# fsdp and tp together: only a rules table (README, "Layouts")
+FSDP_TP = parse_rules("batch=data,params=data,conv_out=model,mlp=model", name="fsdp+tp")
+SIMPLICITY = {"single": 0, "dp": 1, "hybrid": 2, "fsdp": 3, "tp": 4, "fsdp+tp": 5, "spatial": 6}
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    mesh_shape: dict[str, int]
+    peak_bytes: int = 0
+    param_bytes: int = 0
+    optimizer_bytes: int = 0
+    flops: float = 0.0
+    wire_bytes: float = 0.0
+    num_collectives: int = 0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    error: str | None = None  # why it could not be compiled (e.g. a size that does not divide)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.comm_seconds
+
+    @property
+    def mesh(self) -> str:
+        return format_mesh(self.mesh_shape)
+
+
+def _pairs(n: int) -> list[tuple[int, int]]:
+    return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
+
+
+def candidates_for(num_devices: int) -> list[tuple[Layout, dict[str, int]]]:
+    """Every layout x mesh factorisation worth compiling on `num_devices`."""
+    n = num_devices
+    if n == 1:
+        return [(LAYOUTS["single"], {ax.DATA: 1})]
+    found = [(LAYOUTS["dp"], {ax.DATA: n}), (LAYOUTS["fsdp"], {ax.DATA: n}), (LAYOUTS["tp"], {ax.MODEL: n})]
+    for data, model in _pairs(n):
+        if data > 1 and model > 1:
+            found.append((LAYOUTS["hybrid"], {ax.DATA: data, ax.MODEL: model}))
+            found.append((FSDP_TP, {ax.DATA: data, ax.MODEL: model}))
+    for data, spatial in _pairs(n):
+        if spatial > 1:
+            found.append((LAYOUTS["spatial"], {ax.DATA: data, ax.SPATIAL: spatial}))
+    return found
+
+
+def plan(
+    model_config: ModelConfig,
+    image_shape: tuple[int, int, int],
+    batch_size: int,
+    num_devices: int,
+    budget_bytes: float,
+    profile: HardwareProfile,
+    *,
+    dtype: str = "float32",
+    layouts: list[str] | None = None,
+    progress=None,
+) -> list[Candidate]:
+    """All candidates, best first: those that fit by modelled step time, then the rest by memory."""
+    alpha = ALPHA_SECONDS.get(profile.name, 10e-6)
+    # simulated devices share one host: each gets 1/N of its FLOP/s and bandwidth
+    share = num_devices if profile.shared_host else 1
+    out = []
+    todo = [(lay, m) for lay, m in candidates_for(num_devices) if layouts is None or lay.name in layouts]
+    for i, (layout, mesh_shape) in enumerate(todo):
+        if progress:
+            progress(i, len(todo), layout, mesh_shape)
+        candidate = Candidate(layout, mesh_shape)
+        out.append(candidate)
+        from jaxcnn.train import build_program  # imported here: jaxcnn.train imports this package
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = build_program(
+                    model_config,
+                    OptimConfig(),
+                    layout,
+                    build_mesh(mesh_shape),
+                    image_shape,
+                    batch_size,
+                    1000,
+                    train_step_only=True,
+                )
+        except UserError as err:
+            candidate.error = str(err)
+            continue
+        cost = step_cost(program.train_step, program.abstract_state, num_devices)
+        candidate.peak_bytes = cost.peak_bytes
+        candidate.param_bytes, candidate.optimizer_bytes = cost.param_bytes, cost.optimizer_bytes
+        candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes()
+        candidate.num_collectives = len(cost.collectives)
+        candidate.compute_seconds = cost.flops / (profile.flops(dtype) / share)
+        candidate.comm_seconds = len(cost.collectives) * alpha + cost.wire_bytes() / (
+            profile.link_bytes_per_second / share
+        )
+    return rank(out, budget_bytes)
+
+
+def rank(candidates: list[Candidate], budget_bytes: float) -> list[Candidate]:
+    ok = [c for c in candidates if c.error is None]
+    fits = sorted((c for c in ok if c.peak_bytes <= budget_bytes), key=lambda c: c.step_seconds)
+    if fits:  # near-ties go to the simpler layout
+        best = fits[0].step_seconds
+        tied = sorted(
+            (c for c in fits if c.step_seconds <= best * (1 + TIE)), key=lambda c: SIMPLICITY.get(c.layout.name, 9)
+        )
+        fits = tied + [c for c in fits if c not in tied]
+    over = sorted((c for c in ok if c.peak_bytes > budget_bytes), key=lambda c: c.peak_bytes)
+    return fits + over + [c for c in candidates if c.error is not None]
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.1f} MiB"
+
+
+def explain(candidates: list[Candidate], budget_bytes: float, top: int = 3) -> str:
+    fits = [c for c in candidates if c.error is None and c.peak_bytes <= budget_bytes]
+    lines = []
+    if not fits:
+        over = [c for c in candidates if c.error is None]
+        if not over:
+            return "no layout could be compiled: " + "; ".join(
+                f"{c.layout.name} {c.mesh}: {c.error}" for c in candidates
+            )
+        c = min(over, key=lambda c: c.peak_bytes)
+        return (
+            f"no layout fits {_mib(budget_bytes)} per device. The smallest, {c.layout.name} on {c.mesh}, needs "
+            f"{_mib(c.peak_bytes)}: {_mib(c.peak_bytes - budget_bytes)} ({c.peak_bytes / budget_bytes:.2f}x) over. "
+            "Try more devices, a smaller batch, remat or bf16."
+        )
+    for i, c in enumerate(fits[:top], 1):
+        comm_share = c.comm_seconds / c.step_seconds if c.step_seconds else 0.0
+        lines.append(
+            f"{i}. {c.layout.name:<8} {c.mesh:<20} step {c.step_seconds * 1e3:8.3f} ms modelled "
+            f"(compute {c.compute_seconds * 1e3:.3f} ms, communication {c.comm_seconds * 1e3:.3f} ms = {comm_share:.0%}; "
+            f"{c.num_collectives} collectives)"
+        )
+        lines.append(
+            f"   fits: {_mib(c.peak_bytes)} of {_mib(budget_bytes)} per device "
+            f"(parameters {_mib(c.param_bytes)}, optimizer {_mib(c.optimizer_bytes)})"
+        )
+    dropped = [c for c in candidates if c.error is None and c.peak_bytes > budget_bytes]
+    if dropped:
+        lines.append(
+            f"over budget ({len(dropped)}): "
+            + ", ".join(f"{c.layout.name} {c.mesh} {_mib(c.peak_bytes)}" for c in dropped)
+        )
+    failed = [c for c in candidates if c.error is not None]
+    if failed:
+        lines.append("not possible: " + "; ".join(f"{c.layout.name} {c.mesh} ({c.error})" for c in failed))
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""GPipe: equal to one device step for step, gradients equal a sequential reference, each
+stage holding only its own parameters, and bad pipeline settings refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_PLAIN, bundled_digits, train_losses
+
+from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
+from jaxcnn.errors import UserError
+from jaxcnn.measure import measure_pipeline
+from jaxcnn.models import build_model, cross_entropy
+from jaxcnn.sharding import build_mesh, get_layout
+from jaxcnn.sharding.pipeline import (
+    balance,
+    build_pipeline_program,
+    default_microbatches,
+    pipeline_transfer_bytes,
+    stage_groups,
+)
+from jaxcnn.train import fit
+
+STEPS = 10
+PIPELINE = get_layout("pipeline")
+_CACHE = {}
+
+
+def pipeline_run(mesh, microbatches, model=TINY_PLAIN, steps=STEPS):
+    key = (tuple(mesh.items()), microbatches, model, steps)
+    if key not in _CACHE:
+        data = bundled_digits()
+        program = build_pipeline_program(
+            model, OptimConfig(learning_rate=1e-2, warmup_steps=2), PIPELINE, build_mesh(mesh), data.image_shape, 32,
+            steps, microbatches=microbatches,
+        )  # fmt: skip
+        result = fit(
+            program, program.init(), data, None, TrainConfig(batch_size=32, epochs=1, max_steps=steps), progress=False
+        )
+        _CACHE[key] = (np.asarray(result.loss_history), result.state, program)
+    return _CACHE[key]
+
+
+@pytest.fixture(scope="module")
+def single():
+    return train_losses(get_layout("single"), {"data": 1}, TINY_PLAIN, steps=STEPS)
+
+
+CASES = [({"stage": s}, m) for s in (2, 4) for m in (1, 2, 4, 8)] + [
+    ({"data": 2, "stage": 2}, 4),
+    ({"data": 2, "stage": 4}, 2),
+    ({"data": 2, "stage": 4}, 8),
+]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "microbatches"), CASES, ids=[f"{','.join(f'{k}={v}' for k, v in c.items())}-M{m}" for c, m in CASES]
+)
+def test_pipeline_matches_single_device(single, mesh, microbatches):
+    reference, ref_state, _ = single
+    losses, state, program = pipeline_run(mesh, microbatches)
+    assert program.microbatches == microbatches and len(program.groups) == mesh["stage"]
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    # final parameters: stage s holds exactly the single-device model's layers of group s
+    reference_params = {_keys(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(ref_state.params)}
+    for stage, group in zip(state.stages, program.groups, strict=True):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(stage.params):
+            np.testing.assert_allclose(
+                np.asarray(leaf), np.asarray(reference_params[_global(path, group)]), rtol=1e-4, atol=1e-6
+            )
+
+
+def _keys(path):
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def _global(path, group):
+    """A stage's ('blocks'|'dense', k, ...) as the whole model's path."""
+    num_blocks = len(TINY_PLAIN.conv_features)
+    kind, k, *rest = _keys(path)
+    first = group.start if kind == "blocks" else max(group.start - num_blocks, 0)
+    return (kind, first + k, *rest)
+
+
+def test_accumulated_gradients_equal_a_sequential_reference():
+    """One pipeline step's gradients (S=2, M=4) against jax.grad of the whole model."""
+    data = bundled_digits()
+    program = build_pipeline_program(
+        TINY_PLAIN, OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", warmup_steps=0, momentum=0.0),
+        PIPELINE, build_mesh({"stage": 2}), data.image_shape, 32, 1, microbatches=4,
+    )  # fmt: skip
+    state = program.init()
+    before = [jax.tree.map(np.asarray, stage.params) for stage in state.stages]  # the step donates them
+    images, labels = data.images[:32], data.labels[:32]
+    x, y = jax.device_put(images, program.batch_shardings[0]), jax.device_put(labels, program.batch_shardings[1])
+    new_state, _ = program.train_step(state, x, y)
+    # plain SGD with lr 1: new = old - grad, so grad = old - new
+    pipeline_grads = [
+        jax.tree.map(lambda a, b: a - np.asarray(b), old, new.params)
+        for old, new in zip(before, new_state.stages, strict=True)
+    ]
+    from flax import nnx
+
+    model = build_model(TINY_PLAIN, data.image_shape, 0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        return cross_entropy(nnx.merge(graphdef, p, rest)(jnp.asarray(images), train=True), jnp.asarray(labels)).mean()
+
+    reference = jax.jit(jax.grad(loss))(params)
+    ref_flat = [np.asarray(v) for v in jax.tree.leaves(reference)]
+    pipe_flat = [v for g in pipeline_grads for v in jax.tree.leaves(g)]
+    assert len(ref_flat) == len(pipe_flat)
+    for a, b in zip(
+        sorted(pipe_flat, key=lambda v: (v.shape, float(v.sum()))),
+        sorted(ref_flat, key=lambda v: (v.shape, float(v.sum()))),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_each_stage_holds_only_its_parameters():
+    _, state, program = pipeline_run({"stage": 4}, 8)
+    whole = sum(program.stage_param_bytes)
+    assert whole == 3_658 * 4  # every parameter, once
+    for stage, bytes_ in zip(state.stages, program.stage_param_bytes, strict=True):
+        held = sum(leaf.nbytes for leaf in jax.tree.leaves(stage.params))
+        assert held == bytes_ < whole
+        devices = {d for leaf in jax.tree.leaves(stage.params) for d in leaf.sharding.device_set}
+        assert len(devices) == 1  # stage=4 on 4 devices: one device each
+    assert len({d for s in state.stages for leaf in jax.tree.leaves(s.params) for d in leaf.sharding.device_set}) == 4
+    assert program.bubble_fraction == pytest.approx(3 / 11)
+    # activations 32/8 x (4x4x8, 2x2x16, 32), forward and gradient, per step
+    assert pipeline_transfer_bytes(program) == 2 * 8 * 4 * 4 * (128 + 64 + 32)
+
+
+def test_balanced_split_and_user_split():
+    assert balance([1, 1, 1, 1], 2) == (2,)
+    assert balance([10, 1, 1, 1], 2) == (1,)
+    assert balance([1, 2, 3, 4, 5, 6], 3) == (3, 5)
+    groups = stage_groups(ModelConfig(), (28, 28, 1), 2, (2,))
+    assert groups == [range(0, 2), range(2, 6)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"microbatches": 3}, "--microbatches 3 must divide the global batch 32"),
+        ({"mesh": {"stage": 8}}, "a pipeline of 8 stages needs at least 8 layers"),
+        (
+            {"mesh": {"data": 4, "stage": 2}, "microbatches": 16},
+            "a micro-batch of 2 (32/16) does not split over data=4",
+        ),
+        ({"stage_split": (3, 1)}, "--stage-split 3,1 must give 1 increasing layer indices"),
+    ],
+)
+def test_bad_pipeline_settings_are_refused(kwargs, message):
+    mesh = kwargs.pop("mesh", {"stage": 2})
+    with pytest.raises(UserError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        build_pipeline_program(TINY_PLAIN, OptimConfig(), PIPELINE, build_mesh(mesh), (8, 8, 1), 32, 10, **kwargs)
+
+
+def test_default_microbatches_keep_batch_norm_statistics_meaningful():
+    assert default_microbatches(64, 4) == 4  # 2S = 8 would leave 8 images per micro-batch
+    assert default_microbatches(256, 4) == 8
+    assert default_microbatches(30, 2) == 1  # no divisor keeps 16+: one micro-batch
+    assert default_microbatches(48, 2) == 3
+
+
+@pytest.mark.parametrize("mesh", [{"stage": 2}, {"data": 2, "stage": 2}])
+def test_pipeline_compare_row_measures_what_the_layer_shapes_predict(mesh):
+    row = measure_pipeline(TINY_PLAIN, PIPELINE, mesh, (8, 8, 1), 32, microbatches=4)
+    assert row["bytes_between_stages"] > 0 and row["bubble_fraction"] == pytest.approx(1 / 5)
+    assert row["comm_bytes"] == pytest.approx(row["comm_bytes_model"], rel=0.10)
+    assert row["param_bytes_per_device"] < 3_658 * 4  # no stage holds the whole model

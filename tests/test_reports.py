@@ -1,0 +1,96 @@
+"""The report scripts end to end (in-process, tiny model): compare, scaling, plan."""
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from conftest import REPO, load_script
+
+from jaxcnn.measure import COMPARE_COLUMNS
+
+TINY_FLAGS = [
+    "--model",
+    "cnn2d_2layer_fullconnected_2layer",
+    "--conv-features",
+    "8,16",
+    "--dense-features",
+    "32",
+    "--norm",
+    "none",
+]
+
+
+def test_compare_layouts_writes_the_design_csv_and_a_png(tmp_path, capsys):
+    out, plot = tmp_path / "compare.csv", tmp_path / "compare.png"
+    rows = load_script("compare_layouts").main(
+        [
+            *TINY_FLAGS,
+            "--layouts",
+            "dp,tp",
+            "--steps",
+            "2",
+            "--batch-size",
+            "32",
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
+    frame = pd.read_csv(out)
+    assert list(frame.columns[: len(COMPARE_COLUMNS)]) == COMPARE_COLUMNS
+    assert list(frame["layout"]) == ["single", "dp", "tp"]  # single always first: the baseline
+    assert frame.loc[0, "speedup"] == pytest.approx(1.0)
+    assert (frame["images_per_second"] > 0).all()
+    assert frame.loc[1, "comm_bytes"] == pytest.approx(frame.loc[1, "comm_bytes_model"], rel=0.1)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "ratio" in text and "simulated CPU devices" in text
+    assert rows[2]["mesh"] == "model=8"
+
+
+def test_scaling_reports_speedups_and_a_verdict(tmp_path, capsys):
+    out, plot = tmp_path / "scaling.csv", tmp_path / "scaling.png"
+    load_script("scaling").main(
+        [*TINY_FLAGS, "--devices", "1,2", "--steps", "4", "--out", str(out), "--plot", str(plot)]
+    )
+    frame = pd.read_csv(out)
+    assert list(frame["num_devices"]) == [1, 1, 2] and frame.loc[0, "layout"] == "single"
+    assert {"speedup", "efficiency", "input_wait_fraction", "comm_fraction_model", "verdict"} <= set(frame.columns)
+    text = capsys.readouterr().out
+    assert "verdict: " in text and "simulated devices" in text
+    assert plot.exists()
+
+
+def test_plan_prints_ranked_choices_and_writes_every_candidate(tmp_path, capsys):
+    out = tmp_path / "plan.csv"
+    load_script("plan").main(
+        [*TINY_FLAGS, "--devices", "4", "--budget", "64MiB", "--hardware", "a100", "--out", str(out)]
+    )
+    text = capsys.readouterr().out
+    assert "1. " in text and "fits:" in text
+    frame = pd.read_csv(out)
+    assert frame["fits"].any() and set(frame["layout"]) >= {"dp", "fsdp", "tp", "hybrid", "spatial"}
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "message"),
+    [
+        ("plan.py", ["--budget", "lots"], "cannot read 'lots' as a size"),
+        ("plan.py", ["--hardware", "abacus"], "unknown hardware profile 'abacus'"),
+        ("compare_layouts.py", ["--layouts", "dp,zero", "--steps", "0"], "unknown layout 'zero'"),
+        ("scaling.py", ["--layout", "hybrid", "--devices", "1,2"], "cannot fill 1 devices"),
+    ],
+)
+def test_bad_input_to_report_scripts_is_one_line(script, flags, message):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "experiments" / script), *flags],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
