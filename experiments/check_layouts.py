@@ -19,9 +19,10 @@ from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import LAYOUTS, build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
-from jaxcnn.sharding.inspect import KINDS
+from jaxcnn.sharding.inspect import KINDS, collectives
 from jaxcnn.sharding.lint import lint
 from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
+from jaxcnn.sharding.pipeline import build_pipeline_program
 from jaxcnn.train import build_program, fit
 
 PROG = "check_layouts.py"
@@ -61,9 +62,10 @@ def main(argv=None) -> list[dict]:
 
     def run(layout, mesh_shape):
         mesh = build_mesh(mesh_shape)
+        build = build_pipeline_program if layout.stage_axis else build_program
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # fallbacks show in the lint's count below
-            program = build_program(
+            program = build(
                 model_config, optim, layout, mesh, dataset.image_shape, train.batch_size, args.steps, seed=args.seed
             )
         outcome = fit(program, program.init(), dataset, None, train, progress=False)
@@ -75,7 +77,19 @@ def main(argv=None) -> list[dict]:
         mesh_shape = resolve_mesh(parse_mesh(layout.default_mesh), args.devices)
         check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes)
         losses, program = run(layout, mesh_shape)
-        report = lint(layout, program.mesh, program.placements, program.train_step)
+        if layout.stage_axis:  # per-stage programs: their collectives, summed over one step's calls
+            found = [
+                c
+                for prog in program.stage_programs
+                for name in ("forward", "backward", "last")
+                if name in prog
+                for c in collectives(prog[name].as_text(), mesh_shape.get("data", 1))
+                for _ in range(program.microbatches)
+            ]
+            report = lint(layout, program.mesh, program.placements)
+            report.collectives = found
+        else:
+            report = lint(layout, program.mesh, program.placements, program.train_step)
         row = {
             "layout": layout.name,
             "mesh": format_mesh(mesh_shape),
@@ -93,7 +107,8 @@ def main(argv=None) -> list[dict]:
                 seen.append(f"{kind} {len(found)}x {row[f'bytes_{column}']:,} B")
         rows.append(row)
         seen = ", ".join(seen)
-        print(f"{layout.name:<8} {row['mesh']:<18} max rel loss diff {row['max_rel_loss_diff']:.2e}   {seen}")
+        extra = f"   + {2 * program.microbatches} sends between stages" if layout.stage_axis else ""
+        print(f"{layout.name:<8} {row['mesh']:<18} max rel loss diff {row['max_rel_loss_diff']:.2e}   {seen}{extra}")
     results.write_csv(out, rows)
     print("wrote", out)
     return rows

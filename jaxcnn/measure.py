@@ -98,15 +98,13 @@ def measure_layout(
         "comm_wire_bytes": cost.wire_bytes(),
         "comm_wire_bytes_model": model["wire"],
         "num_collectives": len(cost.collectives),
-        "compile_seconds": program.compile_seconds,
-        "step_seconds": None,
-        "images_per_second": None,
-        "speedup": None,
-        "efficiency": None,
-        "global_batch_size": batch_size,
-        "image_shape": "x".join(map(str, image_shape)),
-        "platform": mesh.devices.flat[0].platform,
+        **_run_fields(program, mesh, batch_size, image_shape),
     }
+    return _timed(row, program, model_config, image_shape, batch_size, steps, data)
+
+
+def _timed(row, program, model_config, image_shape, batch_size, steps, data) -> dict:
+    """Fill the row's step time and images/s from `steps` timed steps (none if 0)."""
     if steps > 0:
         if data is None:
             rng = np.random.default_rng(0)
@@ -118,6 +116,20 @@ def measure_layout(
         row["step_seconds"] = statistics.median(seconds)
         row["images_per_second"] = batch_size / row["step_seconds"]
     return row
+
+
+def _run_fields(program, mesh, batch_size, image_shape) -> dict:
+    """The row's fields every layout fills the same way (timings come later)."""
+    return {
+        "compile_seconds": program.compile_seconds,
+        "step_seconds": None,
+        "images_per_second": None,
+        "speedup": None,
+        "efficiency": None,
+        "global_batch_size": batch_size,
+        "image_shape": "x".join(map(str, image_shape)),
+        "platform": mesh.devices.flat[0].platform,
+    }
 
 
 def add_speedups(rows: list[dict], baseline: dict) -> None:
@@ -209,24 +221,6 @@ def measure_pipeline(
         "comm_bytes_model": max(grads_model) + max(modelled_sent, default=0),
         "microbatches": m,
         "bubble_fraction": program.bubble_fraction,
-        "compile_seconds": program.compile_seconds,
-        "step_seconds": None,
-        "images_per_second": None,
-        "speedup": None,
-        "efficiency": None,
-        "global_batch_size": batch_size,
-        "image_shape": "x".join(map(str, image_shape)),
-        "platform": mesh.devices.flat[0].platform,
+        **_run_fields(program, mesh, batch_size, image_shape),
     }
-    if steps > 0:
-        rng = np.random.default_rng(0)
-        images = rng.random((batch_size, *image_shape), dtype=np.float32) if data is None else data.images[:batch_size]
-        labels = (
-            rng.integers(0, model_config.num_classes, batch_size).astype(np.int32)
-            if data is None
-            else data.labels[:batch_size]
-        )
-        seconds, _ = time_steps(program, program.init(), images, labels, steps)
-        row["step_seconds"] = statistics.median(seconds)
-        row["images_per_second"] = batch_size / row["step_seconds"]
-    return row
+    return _timed(row, program, model_config, image_shape, batch_size, steps, data)

@@ -31,7 +31,7 @@ def compare_plot(rows: list[dict], path: Path, title: str) -> Path:
     """Three panels: memory per device, bytes moved (measured vs model), images/s."""
     labels = [r["layout"] + "\n" + r["mesh"].replace(",", "\n") for r in rows]
     x = range(len(rows))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
     mib = 2**20
 
     ax = axes[0]
@@ -72,7 +72,7 @@ def compare_plot(rows: list[dict], path: Path, title: str) -> Path:
         ax.set_yticks([])
 
     for ax in axes:
-        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.set_xticks(list(x), labels, fontsize=7)
     simulated = " -- simulated CPU devices share 2 cores" if rows and rows[-1].get("simulated_devices") else ""
     fig.suptitle(title + simulated, y=1.02)
     return _save(fig, path)

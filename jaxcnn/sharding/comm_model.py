@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from jaxcnn.config import ModelConfig
 from jaxcnn.sharding import axes as ax
-from jaxcnn.sharding.inspect import KINDS
+from jaxcnn.sharding.inspect import KINDS, ring_wire_bytes
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import ParamPlacement, spatial_split_ok
 
@@ -56,12 +56,7 @@ class CommTerm:
 
     @property
     def wire_bytes(self) -> float:
-        n = self.group_size
-        if self.kind == "all-reduce":
-            return 2 * (n - 1) / n * self.buffer_bytes
-        if self.kind == "collective-permute":
-            return self.buffer_bytes
-        return (n - 1) / n * self.buffer_bytes
+        return ring_wire_bytes(self.kind, self.group_size, self.buffer_bytes)
 
 
 def _degree(layout: Layout, logical: str, mesh_shape: dict[str, int]) -> int:

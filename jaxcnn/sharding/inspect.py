@@ -52,12 +52,17 @@ class Collective:
 
     @property
     def wire_bytes(self) -> float:
-        n = self.group_size
-        if self.kind == "all-reduce":
-            return 2 * (n - 1) / n * self.buffer_bytes
-        if self.kind == "collective-permute":
-            return float(self.buffer_bytes)
-        return (n - 1) / n * self.buffer_bytes
+        return ring_wire_bytes(self.kind, self.group_size, self.buffer_bytes)
+
+
+def ring_wire_bytes(kind: str, group_size: int, buffer_bytes: float) -> float:
+    """Bytes one device sends for a collective on a ring of `group_size` (module docstring)."""
+    n = group_size
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * buffer_bytes
+    if kind == "collective-permute":
+        return float(buffer_bytes)
+    return (n - 1) / n * buffer_bytes
 
 
 def _arrays_bytes(text: str) -> tuple[int, str]:
