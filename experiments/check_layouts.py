@@ -66,8 +66,9 @@ def main(argv=None) -> list[dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # fallbacks show in the lint's count below
             program = build(
-                model_config, optim, layout, mesh, dataset.image_shape, train.batch_size, args.steps, seed=args.seed
-            )
+                model_config, optim, layout, mesh, dataset.image_shape, train.batch_size, args.steps, seed=args.seed,
+                with_eval=False,
+            )  # fmt: skip
         outcome = fit(program, program.init(), dataset, None, train, progress=False)
         return np.asarray(outcome.loss_history), program
 

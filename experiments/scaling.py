@@ -96,7 +96,9 @@ def main(argv=None) -> list[dict]:
         config = TrainConfig(batch_size=batch, epochs=10**6, max_steps=args.steps)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            program = build_program(model_config, OptimConfig(), run_layout, mesh, data.image_shape, batch, args.steps)
+            program = build_program(
+                model_config, OptimConfig(), run_layout, mesh, data.image_shape, batch, args.steps, with_eval=False
+            )
         outcome = fit(program, program.init(), data, None, config, progress=False)
         cost = step_cost(program.train_step, program.abstract_state, mesh.size)
         share = mesh.size if profile.shared_host else 1

@@ -76,7 +76,8 @@ def measure_layout(
             image_shape,
             batch_size,
             1000,
-            train_step_only=steps == 0,
+            with_eval=False,
+            with_init=steps > 0,
         )
     cost = step_cost(program.train_step, program.abstract_state, mesh.size)
     compute_bytes = {p.path: p.bytes_per_device for p in program.compute_placements}
@@ -167,8 +168,9 @@ def measure_pipeline(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = build_pipeline_program(
-            model_config, OptimConfig(), layout, mesh, image_shape, batch_size, 1000, microbatches=microbatches
-        )
+            model_config, OptimConfig(), layout, mesh, image_shape, batch_size, 1000, microbatches=microbatches,
+            with_eval=False,
+        )  # fmt: skip
     m, groups = program.microbatches, program.groups
     data_ways = mesh.size // len(groups)
     per_stage = []

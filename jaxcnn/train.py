@@ -71,7 +71,7 @@ class Program:
     init: Callable[[], TrainState] | None  # compiled: () -> state, each device creating its own shards
     train_step: Any  # compiled: (state, images, labels) -> (state, metrics)
     eval_step: (
-        Any  # compiled: (state, images, labels, mask) -> (loss_sum, correct_sum, predictions); None if train_step_only
+        Any  # compiled: (state, images, labels, mask) -> (loss_sum, correct_sum, predictions); None without with_eval
     )
     compile_seconds: float
 
@@ -123,10 +123,12 @@ def build_program(
     total_steps: int,
     seed: int = 0,
     eval_batch_size: int | None = None,
-    train_step_only: bool = False,
+    with_eval: bool = True,
+    with_init: bool = True,
 ) -> Program:
     """Shapes -> shardings -> compiled init, train and eval steps. Nothing is allocated.
-    `train_step_only`: skip compiling init and eval (for cost inspection and planning)."""
+    `with_eval` / `with_init` False skip compiling those (training without a test set;
+    cost inspection and planning, which only read the train step)."""
     eval_batch_size = eval_batch_size or batch_size
     tx = make_optimizer(optim_config, total_steps)
 
@@ -175,7 +177,7 @@ def build_program(
             donate_argnums=0,
         ).lower(abstract_state, images, labels)
     }
-    if not train_step_only:
+    if with_eval:
         eval_images = jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=eval_image_sharding)
         eval_labels = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=eval_vector_sharding)
         eval_mask = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=eval_vector_sharding)
@@ -184,6 +186,7 @@ def build_program(
             in_shardings=(state_shardings, eval_image_sharding, eval_vector_sharding, eval_vector_sharding),
             out_shardings=(replicated, replicated, replicated),
         ).lower(abstract_state, eval_images, eval_labels, eval_mask)
+    if with_init:
         lowered["init"] = jax.jit(init, out_shardings=state_shardings).lower()
     compiled = compile_all(lowered, {"init": cpu_init_options(mesh)})
     compile_seconds = time.perf_counter() - start

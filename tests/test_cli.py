@@ -8,7 +8,9 @@ import pandas as pd
 import pytest
 from conftest import REPO, load_train_module, write_digits_csv
 
+from jaxcnn import cli
 from jaxcnn.results import EPOCH_COLUMNS
+from jaxcnn.sharding import LAYOUTS
 
 SCRIPT = REPO / "experiments/train.py"
 SMALL = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32", "--quiet"]
@@ -72,21 +74,43 @@ BAD_INPUT = {
     "ragged file": (["--data", _ragged], "ragged rows"),
     "bad flag value": (["--epochs", "many"], "argument --epochs: invalid int value"),
     "layout axis missing": (["--layout", "dp", "--mesh", "model=8"], "splits over mesh axis 'data'"),
+    "micro-batches not dividing": (
+        ["--layout", "pipeline", "--mesh", "data=4,stage=2", "--microbatches", "3"],
+        "--microbatches 3 must divide the global batch 64",
+    ),
+    "more stages than layers": (
+        ["--layout", "pipeline", "--model", "cnn2d_1layer_fullconnected_1layer", "--mesh", "data=2,stage=4"],
+        "a pipeline of 4 stages needs at least 4 layers",
+    ),
+    "micro-batches without pipeline": (["--microbatches", "4"], "apply to --layout pipeline only"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
-def test_bad_input_is_one_line_nonzero_and_leaves_results_alone(tmp_path, case):
+def test_bad_input_is_one_line_nonzero_and_leaves_results_alone(tmp_path, case, capsys):
+    """In-process (the suite's 8 devices; each mesh here needs 8), through the same
+    wrapper the script's __main__ uses; a real process is checked below."""
     flags, message = BAD_INPUT[case]
     flags = [f(tmp_path) if callable(f) else f for f in flags]
     earlier = tmp_path / "keep.json"
     earlier.write_text('{"earlier": "run"}\n')
-    proc = run_cli(*flags, "--results-dir", str(tmp_path), "--run-name", "keep", "--quiet")
-    assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr
+    module = load_train_module()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_main(
+            "train.py", lambda: module.main([*flags, "--results-dir", str(tmp_path), "--run-name", "keep", "--quiet"])
+        )
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
     assert earlier.read_text() == '{"earlier": "run"}\n'
+
+
+def test_bad_input_in_a_real_process_exits_2_without_traceback(tmp_path):
+    proc = run_cli("--layout", "zero3", "--results-dir", str(tmp_path))
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == "train.py: error: unknown layout 'zero3'; use one of " + ", ".join(LAYOUTS)
+    )
 
 
 def test_unwritable_results_dir_is_refused_before_training(tmp_path):

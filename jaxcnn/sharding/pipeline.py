@@ -211,6 +211,7 @@ def build_pipeline_program(
     stage_split: tuple[int, ...] | None = None,
     seed: int = 0,
     eval_batch_size: int | None = None,
+    with_eval: bool = True,
 ) -> PipelineProgram:
     stage_axis = layout.stage_axis
     num_stages = mesh.shape[stage_axis]
@@ -371,15 +372,16 @@ def build_pipeline_program(
         prog["update"] = jax.jit(update, out_shardings=(sh.params, sh.opt_state), donate_argnums=(0, 1)).lower(
             params_sds, opt_sds, params_sds
         )
-        e_shape = (eval_batch_size, *image_shape) if s == 0 else (eval_batch_size, *act_shapes[s - 1].shape[1:])
-        e_sh = eval_image_sh if s == 0 else on(sub, e_shape, "eval batch")
-        e_out = (eval_batch_size, *act_shapes[s].shape[1:])
-        prog["eval"] = jax.jit(
-            lambda p, st, x, s=s: apply(s, p, st, x, False, None)[0], out_shardings=on(sub, e_out, "eval batch")
-        ).lower(params_sds, stats_sds, jax.ShapeDtypeStruct(e_shape, jnp.float32, sharding=e_sh))
+        if with_eval:
+            e_shape = (eval_batch_size, *image_shape) if s == 0 else (eval_batch_size, *act_shapes[s - 1].shape[1:])
+            e_sh = eval_image_sh if s == 0 else on(sub, e_shape, "eval batch")
+            e_out = (eval_batch_size, *act_shapes[s].shape[1:])
+            prog["eval"] = jax.jit(
+                lambda p, st, x, s=s: apply(s, p, st, x, False, None)[0], out_shardings=on(sub, e_out, "eval batch")
+            ).lower(params_sds, stats_sds, jax.ShapeDtypeStruct(e_shape, jnp.float32, sharding=e_sh))
         prog["init"] = jax.jit(lambda s=s: init_stage(s), out_shardings=sh).lower()
         lowered.update({(s, name): low for name, low in prog.items()})
-        programs.append({"x_sharding": x_sh, "y_sharding": y_sh, "eval_x_sharding": e_sh})
+        programs.append({"x_sharding": x_sh, "y_sharding": y_sh, "eval_x_sharding": e_sh if with_eval else None})
 
     def eval_loss(logits, labels, mask):
         predictions = jnp.argmax(logits, -1)
@@ -398,12 +400,13 @@ def build_pipeline_program(
     lowered["group_labels"] = jax.jit(lambda y: y.reshape(m, micro), out_shardings=grouped_labels).lower(
         jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sh)
     )
-    lowered["tail"] = jax.jit(eval_loss, out_shardings=(rep[-1], rep[-1], rep[-1])).lower(logits_sds, vec, fvec)
+    if with_eval:
+        lowered["tail"] = jax.jit(eval_loss, out_shardings=(rep[-1], rep[-1], rep[-1])).lower(logits_sds, vec, fvec)
     options = {key: cpu_init_options(mesh) for key in lowered if isinstance(key, tuple) and key[1] == "init"}
     compiled = compile_all(lowered, options)
     for (s, name), program in ((k, v) for k, v in compiled.items() if isinstance(k, tuple)):
         programs[s][name] = program
-    eval_tail, group_images, group_labels = compiled["tail"], compiled["group_images"], compiled["group_labels"]
+    eval_tail, group_images, group_labels = compiled.get("tail"), compiled["group_images"], compiled["group_labels"]
     compile_seconds = time.perf_counter() - start
 
     # --- the host-driven schedule -------------------------------------------------------

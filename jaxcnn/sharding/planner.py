@@ -117,7 +117,8 @@ def plan(
                     image_shape,
                     batch_size,
                     1000,
-                    train_step_only=True,
+                    with_eval=False,
+                    with_init=False,
                 )
         except UserError as err:
             candidate.error = str(err)
