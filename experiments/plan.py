@@ -13,9 +13,10 @@ from pathlib import Path
 from jaxcnn import cli, results
 from jaxcnn.data import load_csv, parse_image_shape
 from jaxcnn.errors import UserError
+from jaxcnn.sharding import get_layout
 from jaxcnn.sharding.hardware import PROFILES, get_profile, parse_bytes
 from jaxcnn.sharding.mesh import simulate_cpu_devices
-from jaxcnn.sharding.planner import explain, plan
+from jaxcnn.sharding.planner import FSDP_TP, explain, plan
 
 PROG = "plan.py"
 
@@ -45,6 +46,10 @@ def main(argv=None):
     out = Path(args.out) if args.out else None
     if out:
         results.ensure_writable_dir(out.parent)
+    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()] if args.layouts else None
+    for name in layouts or ():
+        if name != FSDP_TP.name:
+            get_layout(name)  # an unknown name fails here, naming the known ones
     if args.synthetic:
         image_shape = parse_image_shape(args.synthetic)
     else:
@@ -58,8 +63,9 @@ def main(argv=None):
         )
 
     candidates = plan(
-        model_config, image_shape, args.batch_size, args.devices, budget, profile, dtype=args.dtype, progress=progress
-    )
+        model_config, image_shape, args.batch_size, args.devices, budget, profile, dtype=args.dtype, layouts=layouts,
+        progress=progress,
+    )  # fmt: skip
     print(
         f"\n{model_config.name}, batch {args.batch_size}, {'x'.join(map(str, image_shape))} images, "
         f"{args.devices} x {profile.name}, {args.dtype}:"

@@ -66,12 +66,14 @@ def test_scaling_reports_speedups_and_a_verdict(tmp_path, capsys):
 def test_plan_prints_ranked_choices_and_writes_every_candidate(tmp_path, capsys):
     out = tmp_path / "plan.csv"
     load_script("plan").main(
-        [*TINY_FLAGS, "--devices", "4", "--budget", "64MiB", "--hardware", "a100", "--out", str(out)]
-    )
+        [*TINY_FLAGS, "--devices", "4", "--budget", "64MiB", "--hardware", "a100", "--layouts", "dp,spatial",
+         "--out", str(out)]
+    )  # fmt: skip
     text = capsys.readouterr().out
     assert "1. " in text and "fits:" in text
     frame = pd.read_csv(out)
-    assert frame["fits"].any() and set(frame["layout"]) >= {"dp", "fsdp", "tp", "hybrid", "spatial"}
+    # only the layouts asked for: dp on data=4, spatial on its two meshes
+    assert frame["fits"].any() and set(frame["layout"]) == {"dp", "spatial"} and len(frame) == 3
 
 
 @pytest.mark.parametrize(
@@ -79,6 +81,7 @@ def test_plan_prints_ranked_choices_and_writes_every_candidate(tmp_path, capsys)
     [
         ("plan.py", ["--budget", "lots"], "cannot read 'lots' as a size"),
         ("plan.py", ["--hardware", "abacus"], "unknown hardware profile 'abacus'"),
+        ("plan.py", ["--layouts", "dp,zero3"], "unknown layout 'zero3'"),
         ("compare_layouts.py", ["--layouts", "dp,zero", "--steps", "0"], "unknown layout 'zero'"),
         ("scaling.py", ["--layout", "hybrid", "--devices", "1,2"], "cannot fill 1 devices"),
     ],
