@@ -19,10 +19,10 @@ from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import LAYOUTS, build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
-from jaxcnn.sharding.inspect import KINDS, collectives
+from jaxcnn.sharding.inspect import KINDS
 from jaxcnn.sharding.lint import lint
 from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
-from jaxcnn.sharding.pipeline import build_pipeline_program
+from jaxcnn.sharding.pipeline import build_pipeline_program, stage_collectives
 from jaxcnn.train import build_program, fit
 
 PROG = "check_layouts.py"
@@ -78,17 +78,9 @@ def main(argv=None) -> list[dict]:
         mesh_shape = resolve_mesh(parse_mesh(layout.default_mesh), args.devices)
         check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes)
         losses, program = run(layout, mesh_shape)
-        if layout.stage_axis:  # per-stage programs: their collectives, summed over one step's calls
-            found = [
-                c
-                for prog in program.stage_programs
-                for name in ("forward", "backward", "last")
-                if name in prog
-                for c in collectives(prog[name].as_text(), mesh_shape.get("data", 1))
-                for _ in range(program.microbatches)
-            ]
+        if layout.stage_axis:  # per-stage programs: their collectives over one step, all stages
             report = lint(layout, program.mesh, program.placements)
-            report.collectives = found
+            report.collectives = [c for stage in stage_collectives(program) for c in stage]
         else:
             report = lint(layout, program.mesh, program.placements, program.train_step)
         row = {

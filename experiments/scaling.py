@@ -29,7 +29,7 @@ from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, res
 from jaxcnn.sharding.hardware import get_profile
 from jaxcnn.sharding.inspect import step_cost
 from jaxcnn.sharding.mesh import simulate_cpu_devices
-from jaxcnn.sharding.planner import ALPHA_SECONDS
+from jaxcnn.sharding.planner import comm_seconds
 from jaxcnn.train import build_program, fit
 
 PROG = "scaling.py"
@@ -79,7 +79,6 @@ def main(argv=None) -> list[dict]:
         raise UserError(f"--devices asks for {max(counts)} devices, but only {len(devices)} exist")
     simulated = devices[0].platform == "cpu" and max(counts) > 1
     profile = _profile_for(devices[0], args.hardware)
-    alpha = ALPHA_SECONDS.get(profile.name, 10e-6)
 
     def batch_for(n):
         return args.batch_size * n if args.weak else args.batch_size
@@ -101,8 +100,7 @@ def main(argv=None) -> list[dict]:
             )
         outcome = fit(program, program.init(), data, None, config, progress=False)
         cost = step_cost(program.train_step, program.abstract_state, mesh.size)
-        share = mesh.size if profile.shared_host else 1
-        comm_seconds = len(cost.collectives) * alpha + cost.wire_bytes() / (profile.link_bytes_per_second / share)
+        comm = comm_seconds(cost, profile, mesh.size)
         step_seconds = batch / outcome.images_per_second
         return {
             "layout": run_layout.name,
@@ -115,7 +113,7 @@ def main(argv=None) -> list[dict]:
             "input_wait_fraction": outcome.input_wait_fraction,
             "comm_bytes": cost.comm_bytes(),
             "comm_wire_bytes": cost.wire_bytes(),
-            "comm_fraction_model": min(1.0, comm_seconds / step_seconds),
+            "comm_fraction_model": min(1.0, comm / step_seconds),
             "simulated_devices": simulated,
         }
 

@@ -20,7 +20,7 @@ from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.data import Dataset, to_global
 from jaxcnn.sharding import build_mesh, format_mesh
 from jaxcnn.sharding.comm_model import comm_terms, summarise
-from jaxcnn.sharding.inspect import KINDS, collectives, step_cost
+from jaxcnn.sharding.inspect import KINDS, step_cost
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.train import Program, TrainState, build_program
 
@@ -162,7 +162,7 @@ def measure_pipeline(
     collectives). The model column recomputes both from the layer shapes.
     """
     from jaxcnn.models import layer_shapes
-    from jaxcnn.sharding.pipeline import build_pipeline_program
+    from jaxcnn.sharding.pipeline import PER_MICROBATCH, build_pipeline_program, stage_collectives
 
     mesh = build_mesh(mesh_shape)
     with warnings.catch_warnings():
@@ -174,19 +174,14 @@ def measure_pipeline(
     m, groups = program.microbatches, program.groups
     data_ways = mesh.size // len(groups)
     per_stage = []
-    for s, prog in enumerate(program.stage_programs):
-        calls = [("last", m)] if s == len(groups) - 1 else [("forward", m), ("backward", m)]
-        costs = [
-            (prog[name].cost_analysis(), prog[name].memory_analysis(), prog[name].as_text(), n) for name, n in calls
-        ]
-        found = [c for _, _, text, n in costs for c in collectives(text, data_ways) for _ in range(n)]
+    for prog, found in zip(program.stage_programs, stage_collectives(program), strict=True):
+        calls = [prog[name] for name in PER_MICROBATCH if name in prog]  # each runs M times per step
+        costs = [c.cost_analysis() for c in calls]
+        costs = [c[0] if isinstance(c, (list, tuple)) else c for c in costs]  # older jax: one dict per device
         per_stage.append(
             {
-                "flops": sum(
-                    float((ca[0] if isinstance(ca, (list, tuple)) else ca).get("flops", 0.0)) * n
-                    for ca, _, _, n in costs
-                ),
-                "temp": max(ma.temp_size_in_bytes for _, ma, _, _ in costs),
+                "flops": m * sum(float(c.get("flops", 0.0)) for c in costs),
+                "temp": max(c.memory_analysis().temp_size_in_bytes for c in calls),
                 "collective_bytes": sum(c.buffer_bytes for c in found),
                 "found": found,
             }

@@ -46,6 +46,7 @@ from jaxcnn.errors import UserError
 from jaxcnn.models import LayerShape, build_model, cross_entropy, layer_shapes
 from jaxcnn.optim import make_optimizer
 from jaxcnn.sharding import axes as ax
+from jaxcnn.sharding.inspect import Collective, bytes_per_device, collectives
 from jaxcnn.sharding.layouts import DP, Layout
 from jaxcnn.sharding.partition import (
     ParamPlacement,
@@ -191,11 +192,28 @@ def _sub_meshes(mesh: Mesh, stage_axis: str) -> list[Mesh]:
     return [Mesh(np.asarray(grid[s], dtype=object).reshape(sizes), rest, axis_types=auto) for s in range(grid.shape[0])]
 
 
-def _bytes(shardings_tree, abstract_tree) -> int:
-    return sum(
-        math.prod(sh.shard_shape(a.shape)) * a.dtype.itemsize
-        for sh, a in zip(jax.tree.leaves(shardings_tree), jax.tree.leaves(abstract_tree), strict=True)
-    )
+def _with_shardings(tree, shardings):
+    """ShapeDtypeStructs of an abstract tree, carrying their shardings."""
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree, shardings)
+
+
+# The stage programs a training step runs once per micro-batch (update runs once, no collectives).
+PER_MICROBATCH = ("forward", "backward", "last")
+
+
+def stage_collectives(program: PipelineProgram) -> list[list[Collective]]:
+    """Per stage, the collectives its programs run in one optimizer step."""
+    data_ways = program.mesh.size // len(program.groups)
+    return [
+        [
+            c
+            for name in PER_MICROBATCH
+            if name in prog
+            for c in collectives(prog[name].as_text(), data_ways)
+            for _ in range(program.microbatches)
+        ]
+        for prog in program.stage_programs
+    ]
 
 
 def build_pipeline_program(
@@ -252,7 +270,7 @@ def build_pipeline_program(
             for r in rows + st_rows
         ]
         param_bytes.append(sum(r.bytes_per_device for r in rows + st_rows))
-        opt_bytes.append(_bytes(o_sh, abstract.opt_state))
+        opt_bytes.append(bytes_per_device(_with_shardings(abstract.opt_state, o_sh)))
         stages.append(abstract)
 
     # activation shapes between stages: trace each stage on one micro-batch
@@ -331,15 +349,12 @@ def build_pipeline_program(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    def shape_of(tree, sh):
-        return jax.tree.map(lambda a, s_: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s_), tree, sh)
-
     programs, lowered = [], {}
     key_sds = lambda s: jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep[s])  # noqa: E731
     mb_sds = lambda s: jax.ShapeDtypeStruct((), jnp.int32, sharding=rep[s])  # noqa: E731
     for s, sub in enumerate(meshes):
         sh = shardings[s]
-        params_sds, stats_sds = shape_of(stages[s].params, sh.params), shape_of(stages[s].stats, sh.stats)
+        params_sds, stats_sds = _with_shardings(stages[s].params, sh.params), _with_shardings(stages[s].stats, sh.stats)
         in_shape = (m, micro, *image_shape) if s == 0 else act_shapes[s - 1].shape
         x_sh = grouped_images if s == 0 else on(sub, in_shape)
         x_sds = jax.ShapeDtypeStruct(in_shape, jnp.float32, sharding=x_sh)
@@ -368,7 +383,7 @@ def build_pipeline_program(
                         out_shardings=(sh.params, x_sh if s > 0 else None, sh.stats, (rep[s], rep[s])), donate_argnums=(6,))
                 .lower(params_sds, stats_sds, x_sds, labels_sds, mb_sds(s), key_sds(s), params_sds, totals_sds)
             )  # fmt: skip
-        opt_sds = shape_of(stages[s].opt_state, sh.opt_state)
+        opt_sds = _with_shardings(stages[s].opt_state, sh.opt_state)
         prog["update"] = jax.jit(update, out_shardings=(sh.params, sh.opt_state), donate_argnums=(0, 1)).lower(
             params_sds, opt_sds, params_sds
         )

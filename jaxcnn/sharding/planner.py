@@ -27,7 +27,7 @@ from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.hardware import HardwareProfile
-from jaxcnn.sharding.inspect import step_cost
+from jaxcnn.sharding.inspect import StepCost, step_cost
 from jaxcnn.sharding.layouts import LAYOUTS, Layout, parse_rules
 from jaxcnn.sharding.mesh import build_mesh, format_mesh
 
@@ -59,6 +59,14 @@ class Candidate:
     @property
     def mesh(self) -> str:
         return format_mesh(self.mesh_shape)
+
+
+def comm_seconds(cost: StepCost, profile: HardwareProfile, num_devices: int) -> float:
+    """Modelled time of a step's collectives: each costs alpha + wire bytes / link bandwidth
+    (simulated devices share one host's bandwidth N ways)."""
+    alpha = ALPHA_SECONDS.get(profile.name, 10e-6)
+    share = num_devices if profile.shared_host else 1
+    return len(cost.collectives) * alpha + cost.wire_bytes() / (profile.link_bytes_per_second / share)
 
 
 def _pairs(n: int) -> list[tuple[int, int]]:
@@ -94,8 +102,7 @@ def plan(
     progress=None,
 ) -> list[Candidate]:
     """All candidates, best first: those that fit by modelled step time, then the rest by memory."""
-    alpha = ALPHA_SECONDS.get(profile.name, 10e-6)
-    # simulated devices share one host: each gets 1/N of its FLOP/s and bandwidth
+    # simulated devices share one host: each gets 1/N of its FLOP/s
     share = num_devices if profile.shared_host else 1
     out = []
     todo = [(lay, m) for lay, m in candidates_for(num_devices) if layouts is None or lay.name in layouts]
@@ -129,9 +136,7 @@ def plan(
         candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes()
         candidate.num_collectives = len(cost.collectives)
         candidate.compute_seconds = cost.flops / (profile.flops(dtype) / share)
-        candidate.comm_seconds = len(cost.collectives) * alpha + cost.wire_bytes() / (
-            profile.link_bytes_per_second / share
-        )
+        candidate.comm_seconds = comm_seconds(cost, profile, num_devices)
     return rank(out, budget_bytes)
 
 
