@@ -29,7 +29,6 @@ def parse_flags(argv=None):
     g.add_argument("--devices", type=int, default=8)
     g.add_argument("--budget", default="16GiB", help="memory per device, e.g. 16GiB, 80GB, 512MiB")
     g.add_argument("--hardware", default="h100", help=f"one of {', '.join(PROFILES)} (default %(default)s)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="which peak FLOP/s to use")
     g.add_argument("--batch-size", type=int, default=64, help="global batch")
     g.add_argument("--layouts", help="only these layouts, comma-separated (default: all)")
     g.add_argument("--top", type=int, default=3)

@@ -12,7 +12,21 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 
-from jaxcnn.config import DEFAULT_MODEL, NORMS, OPTIMIZERS, SCHEDULES, ModelConfig, OptimConfig, TrainConfig
+from jaxcnn.config import (
+    DEFAULT_MODEL,
+    DTYPES,
+    LR_SCALINGS,
+    NORMS,
+    OPTIMIZERS,
+    REMAT_NAMES,
+    REMAT_POLICIES,
+    SCHEDULES,
+    SYNC_MODES,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    UpdateConfig,
+)
 from jaxcnn.errors import UserError
 
 DEFAULT_SIMULATED_DEVICES = 8
@@ -32,6 +46,19 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def name_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def batch_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """'0:64,10:128' -> ((0, 64), (10, 128))."""
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        return tuple((int(epoch), int(batch)) for epoch, batch in pairs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of EPOCH:BATCH pairs, e.g. 0:64,10:128") from None
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL, help="cnn2d_<N>layer_fullconnected_<M>layer (default %(default)s)")
@@ -42,6 +69,22 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dropout", type=float, default=0.0, help="dropout rate between dense layers")
     g.add_argument("--num-classes", type=int, default=10)
+    g.add_argument(
+        "--remat",
+        choices=REMAT_POLICIES,
+        default="none",
+        help="recompute each conv block in the backward pass (jax.checkpoint): full keeps only its input, "
+        "dots its conv outputs, names the activations in --remat-names",
+    )
+    g.add_argument(
+        "--remat-names",
+        type=name_list,
+        default=ModelConfig().remat_names,
+        help=f"with --remat names: activations to keep, some of {','.join(REMAT_NAMES)} (default %(default)s)",
+    )
+    g.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="compute dtype; parameters and optimizer state stay float32"
+    )
 
 
 def add_data_flags(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +140,51 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-steps", type=int, default=defaults_o.warmup_steps)
     g.add_argument("--weight-decay", type=float, default=defaults_o.weight_decay, help="adamw only")
     g.add_argument("--momentum", type=float, default=defaults_o.momentum, help="sgd only")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step, gradients summed")
+    g.add_argument(
+        "--sync",
+        choices=SYNC_MODES,
+        default="allreduce",
+        help="allreduce: gradients averaged every step; local-sgd: each data-parallel replica steps alone",
+    )
+    g.add_argument("--sync-every", type=int, default=1, help="local-sgd: average the replicas every H steps")
+    g.add_argument("--staleness", type=int, default=0, help="apply gradients taken on the parameters of T steps ago")
+    g.add_argument(
+        "--lr-scaling",
+        choices=LR_SCALINGS,
+        default="none",
+        help="linear: lr x batch / --base-batch, warmup from lr (Goyal et al. 2017)",
+    )
+    g.add_argument("--base-batch", type=int, help="the batch size --lr was tuned for (with --lr-scaling linear)")
+    g.add_argument(
+        "--batch-schedule",
+        type=batch_schedule,
+        default=(),
+        help="grow the global batch at these epochs, e.g. 0:64,10:128 (lr scaled to match; overrides --batch-size)",
+    )
+    g.add_argument(
+        "--auto-batch",
+        metavar="BYTES",
+        help="use the largest global batch whose compiled step fits this much memory per device, e.g. 2GiB",
+    )
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """Multi-host and checkpoint flags (jaxcnn.distributed, jaxcnn.checkpoint)."""
+    g = parser.add_argument_group("multi-host (default: one process, or SLURM / Open MPI when launched there)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env JAXCNN_COORDINATOR)")
+    g.add_argument("--num-processes", type=int, help="processes in the run (env JAXCNN_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, help="this process, 0..N-1 (env JAXCNN_PROCESS_ID)")
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", help="save Orbax checkpoints here (asynchronously)")
+    g.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default %(default)s)")
+    g.add_argument("--keep-checkpoints", type=int, default=3, help="keep the last K (default %(default)s)")
+    g.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint-dir")
+    g.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip a step whose loss is NaN/inf instead of stopping the run (default: stop, naming the step)",
+    )
 
 
 def model_from_flags(args) -> ModelConfig:
@@ -107,6 +195,9 @@ def model_from_flags(args) -> ModelConfig:
         norm=args.norm,
         dropout=args.dropout,
         num_classes=args.num_classes,
+        remat=args.remat,
+        remat_names=args.remat_names,
+        dtype=args.dtype,
     )
 
 
@@ -128,6 +219,19 @@ def train_from_flags(args) -> TrainConfig:
         max_steps=args.max_steps,
         seed=args.seed,
         eval_batch_size=args.eval_batch_size,
+        batch_schedule=args.batch_schedule,
+        lr_scaling=args.lr_scaling,
+        base_batch=args.base_batch,
+    )
+
+
+def update_from_flags(args) -> UpdateConfig:
+    return UpdateConfig(
+        grad_accum=args.grad_accum,
+        sync=args.sync,
+        sync_every=args.sync_every,
+        staleness=args.staleness,
+        skip_nonfinite=getattr(args, "skip_nonfinite", False),
     )
 
 

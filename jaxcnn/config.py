@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -15,6 +16,12 @@ MAX_CONV_BLOCKS, MAX_DENSE_LAYERS = 6, 4
 CONV_WIDTHS = (32, 64, 128, 128, 256, 256)
 DENSE_WIDTHS = (256, 128, 128)
 NORMS = ("none", "batch", "group")
+# jax.checkpoint per conv block: keep nothing but its input (full), the conv outputs
+# (dots: jax.checkpoint_policies.dots_saveable) or the activations named in
+# `remat_names` (names: save_only_these_names), recomputing the rest in the backward pass.
+REMAT_POLICIES = ("none", "full", "dots", "names")
+REMAT_NAMES = ("conv", "norm", "relu")  # the activations a conv block tags (checkpoint_name)
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,9 @@ class ModelConfig:
     norm: str = "batch"
     dropout: float = 0.0
     num_classes: int = 10
+    remat: str = "none"
+    remat_names: tuple[str, ...] = ("norm",)  # saved by remat="names"
+    dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
 
     def __post_init__(self):
         match = MODEL_NAME.fullmatch(self.name)
@@ -52,6 +62,13 @@ class ModelConfig:
             raise UserError(f"unknown --norm {self.norm!r}; use one of {', '.join(NORMS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.remat not in REMAT_POLICIES:
+            raise UserError(f"unknown --remat {self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+        unknown = sorted(set(self.remat_names) - set(REMAT_NAMES))
+        if unknown:
+            raise UserError(f"unknown --remat-names {', '.join(unknown)}; use some of {', '.join(REMAT_NAMES)}")
+        if self.dtype not in DTYPES:
+            raise UserError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
         if self.num_classes < 2:
             raise UserError(f"--num-classes must be at least 2, got {self.num_classes}")
         object.__setattr__(self, "conv_features", tuple(conv))
@@ -70,6 +87,7 @@ class OptimConfig:
     warmup_steps: int = 20
     weight_decay: float = 1e-4  # adamw only
     momentum: float = 0.9  # sgd only
+    warmup_from: float = 0.0  # learning rate the warmup starts at (linear scaling: the base rate)
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
@@ -84,6 +102,42 @@ class OptimConfig:
             raise UserError("--weight-decay must be >= 0 and --momentum in [0, 1)")
 
 
+SYNC_MODES = ("allreduce", "local-sgd")
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """How gradients become updates: what the compiled train step does beyond one
+    forward/backward on the global batch (jaxcnn.steps)."""
+
+    grad_accum: int = 1  # micro-batches per optimizer step, gradients summed (lax.scan)
+    sync: str = "allreduce"  # "local-sgd": replicas step alone, parameters averaged every `sync_every`
+    sync_every: int = 1
+    staleness: int = 0  # gradients taken on the parameters of this many steps ago
+    skip_nonfinite: bool = False  # a step whose loss or new parameters are not finite changes nothing
+
+    def __post_init__(self):
+        if self.grad_accum < 1:
+            raise UserError(f"--grad-accum must be a positive integer, got {self.grad_accum}")
+        if self.sync not in SYNC_MODES:
+            raise UserError(f"unknown --sync {self.sync!r}; use one of {', '.join(SYNC_MODES)}")
+        if self.sync_every < 1:
+            raise UserError(f"--sync-every must be a positive integer, got {self.sync_every}")
+        if self.sync_every > 1 and self.sync != "local-sgd":
+            raise UserError("--sync-every applies to --sync local-sgd; add it or drop --sync-every")
+        if self.staleness < 0:
+            raise UserError(f"--staleness must be >= 0, got {self.staleness}")
+        if self.staleness and self.sync != "allreduce":
+            raise UserError("--staleness models an asynchronous parameter server; use it with --sync allreduce")
+
+    @property
+    def local(self) -> bool:
+        return self.sync == "local-sgd"
+
+
+LR_SCALINGS = ("none", "linear")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     batch_size: int = 64  # global, per optimizer step
@@ -91,11 +145,37 @@ class TrainConfig:
     max_steps: int | None = None  # stop early after this many optimizer steps
     seed: int = 0
     eval_batch_size: int | None = None  # default: batch_size
+    # (first epoch, global batch) pairs, from epoch 0: the batch grows during training and
+    # the learning rate with it (jaxcnn.optim.optim_for_batch). Overrides batch_size.
+    batch_schedule: tuple[tuple[int, int], ...] = ()
+    lr_scaling: str = "none"  # "linear": lr x batch / base_batch, warmup from lr (Goyal et al. 2017)
+    base_batch: int | None = None  # the batch the base learning rate was tuned for
 
     def __post_init__(self):
+        if self.batch_schedule:
+            epochs = [e for e, _ in self.batch_schedule]
+            if epochs[0] != 0 or any(b <= a for a, b in itertools.pairwise(epochs)):
+                raise UserError("--batch-schedule must start at epoch 0 with increasing epochs, e.g. 0:64,10:128")
+            if min(b for _, b in self.batch_schedule) < 1:
+                raise UserError("--batch-schedule batches must be positive integers")
+            object.__setattr__(self, "batch_size", self.batch_schedule[0][1])
+        if self.lr_scaling not in LR_SCALINGS:
+            raise UserError(f"unknown --lr-scaling {self.lr_scaling!r}; use one of {', '.join(LR_SCALINGS)}")
+        if self.lr_scaling == "linear" and not self.base_batch:
+            raise UserError("--lr-scaling linear needs --base-batch B0: the batch size --lr was tuned for")
+        if self.base_batch is not None and self.base_batch < 1:
+            raise UserError(f"--base-batch must be a positive integer, got {self.base_batch}")
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be a positive integer, got {self.batch_size}")
         if self.epochs < 1:
             raise UserError(f"--epochs must be a positive integer, got {self.epochs}")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"--max-steps must be a positive integer, got {self.max_steps}")
+
+    def batch_for_epoch(self, epoch: int) -> int:
+        return max(((e, b) for e, b in self.batch_schedule if e <= epoch), default=(0, self.batch_size))[1]
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Every global batch the run uses, in order (one compiled program each)."""
+        return tuple(dict.fromkeys(b for _, b in self.batch_schedule)) or (self.batch_size,)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxcnn.config import ModelConfig, OptimConfig
-from jaxcnn.data import Dataset, to_global
+from jaxcnn.data import Dataset
 from jaxcnn.sharding import build_mesh, format_mesh
 from jaxcnn.sharding.comm_model import comm_terms, summarise
 from jaxcnn.sharding.inspect import KINDS, step_cost
@@ -28,6 +28,7 @@ COMPARE_COLUMNS = [
     "layout", "mesh", "num_devices", "param_bytes_per_device", "optimizer_bytes_per_device", "temp_bytes_per_device",
     "flops_per_device", "bytes_all_reduce", "bytes_all_gather", "bytes_reduce_scatter", "bytes_collective_permute",
     "bytes_all_to_all", "comm_bytes", "comm_bytes_model", "step_seconds", "images_per_second", "speedup", "efficiency",
+    "remat", "dtype",
 ]  # fmt: skip
 
 
@@ -38,8 +39,7 @@ def _column(kind: str) -> str:
 def time_steps(program: Program, state: TrainState, images: np.ndarray, labels: np.ndarray, steps: int):
     """Run `steps` train steps on one fixed batch; (seconds of each, final state). The
     first (warm-up) run is not counted. Each step is waited for, so these are step times."""
-    x = to_global(images, program.batch_shardings[0])
-    y = to_global(labels, program.batch_shardings[1])
+    x, y = program.place_batch(images, labels)
     state, metrics = program.train_step(state, x, y)
     jax.block_until_ready(metrics)
     seconds = []
@@ -99,7 +99,7 @@ def measure_layout(
         "comm_wire_bytes": cost.wire_bytes(),
         "comm_wire_bytes_model": model["wire"],
         "num_collectives": len(cost.collectives),
-        **_run_fields(program, mesh, batch_size, image_shape),
+        **_run_fields(program, mesh, batch_size, image_shape, model_config),
     }
     return _timed(row, program, model_config, image_shape, batch_size, steps, data)
 
@@ -119,9 +119,11 @@ def _timed(row, program, model_config, image_shape, batch_size, steps, data) -> 
     return row
 
 
-def _run_fields(program, mesh, batch_size, image_shape) -> dict:
+def _run_fields(program, mesh, batch_size, image_shape, model_config: ModelConfig) -> dict:
     """The row's fields every layout fills the same way (timings come later)."""
     return {
+        "remat": model_config.remat,
+        "dtype": model_config.dtype,
         "compile_seconds": program.compile_seconds,
         "step_seconds": None,
         "images_per_second": None,
@@ -218,6 +220,6 @@ def measure_pipeline(
         "comm_bytes_model": max(grads_model) + max(modelled_sent, default=0),
         "microbatches": m,
         "bubble_fraction": program.bubble_fraction,
-        **_run_fields(program, mesh, batch_size, image_shape),
+        **_run_fields(program, mesh, batch_size, image_shape, model_config),
     }
     return _timed(row, program, model_config, image_shape, batch_size, steps, data)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxcnn.config import ModelConfig
 from jaxcnn.sharding import axes as ax
@@ -36,17 +37,17 @@ def _named(*names: str) -> dict:
     return {NAMES_KEY: names}
 
 
-def _norm_layer(kind: str, features: int, rngs: nnx.Rngs) -> nnx.Module | None:
+def _norm_layer(kind: str, features: int, dtype, rngs: nnx.Rngs) -> nnx.Module | None:
     meta = _named(ax.NORM)
     if kind == "none":
         return None
-    if kind == "batch":
-        norm = nnx.BatchNorm(features, momentum=0.9, scale_metadata=meta, bias_metadata=meta, rngs=rngs)
+    if kind == "batch":  # flax computes the statistics in float32 even for a bfloat16 dtype
+        norm = nnx.BatchNorm(features, momentum=0.9, dtype=dtype, scale_metadata=meta, bias_metadata=meta, rngs=rngs)
         for stat in (norm.mean, norm.var):  # running statistics: same placement as scale/bias
             stat.set_metadata(**meta)
         return norm
     groups = math.gcd(features, 8)
-    return nnx.GroupNorm(features, num_groups=groups, scale_metadata=meta, bias_metadata=meta, rngs=rngs)
+    return nnx.GroupNorm(features, num_groups=groups, dtype=dtype, scale_metadata=meta, bias_metadata=meta, rngs=rngs)
 
 
 def conv_channel_spaces(num_blocks: int) -> list[str]:
@@ -54,8 +55,44 @@ def conv_channel_spaces(num_blocks: int) -> list[str]:
     return [ax.CONV_OUT if (num_blocks - 1 - i) % 2 else ax.CONV_IN for i in range(num_blocks)]
 
 
+def max_pool_2x2(x_BHWC: jax.Array) -> jax.Array:
+    """2x2 max-pool, stride 2, SAME padding, as a reshape and a max.
+
+    The same values as `nnx.max_pool(x, (2, 2), (2, 2), "SAME")`, but its gradient is an
+    elementwise mask (XLA fuses it) where reduce_window's is select-and-scatter, for which
+    XLA:CPU materialises index arrays the size of the activation -- four of them per block,
+    most of the backward pass's memory at 224x224 and what kept remat from paying. (Tied
+    maxima share the gradient instead of one taking it all; after a ReLU ties are zeros.)
+    """
+    b, h, w, c = x_BHWC.shape
+    if h % 2 or w % 2:  # SAME pads the high side; -inf never wins a max
+        x_BHWC = jnp.pad(x_BHWC, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), constant_values=-jnp.inf)
+    h, w = -(-h // 2), -(-w // 2)
+    return x_BHWC.reshape(b, h, 2, w, 2, c).max(axis=(2, 4))
+
+
+def remat_policy(remat: str, names: tuple[str, ...]):
+    """The jax.checkpoint policy for `--remat` (None: save nothing but the block's input)."""
+    if remat == "dots":
+        return jax.checkpoint_policies.dots_saveable  # matmuls and convolutions
+    if remat == "names":
+        return jax.checkpoint_policies.save_only_these_names(*names)
+    return None
+
+
 class ConvBlock(nnx.Module):
-    def __init__(self, in_features: int, features: int, space_in: str, space_out: str, norm: str, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        in_features: int,
+        features: int,
+        space_in: str,
+        space_out: str,
+        config: ModelConfig,
+        rngs: nnx.Rngs,
+    ):
+        dtype = jnp.dtype(config.dtype)
+        norm = config.norm
+        self.remat, self.remat_names = config.remat, config.remat_names
         self.conv = nnx.Conv(
             in_features,
             features,
@@ -66,18 +103,28 @@ class ConvBlock(nnx.Module):
             # BatchNorm subtracts the per-channel mean, so a conv bias before it has zero
             # gradient up to rounding -- which Adam would amplify into layout-dependent drift.
             use_bias=norm != "batch",
+            dtype=dtype,
             rngs=rngs,
         )
-        self.norm = _norm_layer(norm, features, rngs)
+        self.norm = _norm_layer(norm, features, dtype, rngs)
 
     def __call__(self, x_BHWC: jax.Array, train: bool) -> jax.Array:
-        y = self.conv(x_BHWC)
+        if self.remat == "none":
+            return self._forward(x_BHWC, train)
+        # jax.checkpoint: the backward pass recomputes what the policy does not save
+        policy = remat_policy(self.remat, self.remat_names)
+        return nnx.remat(lambda block, x: block._forward(x, train), policy=policy)(self, x_BHWC)
+
+    def _forward(self, x_BHWC: jax.Array, train: bool) -> jax.Array:
+        # the names are what remat="names" may save (jax.checkpoint_policies.save_only_these_names)
+        y = checkpoint_name(self.conv(x_BHWC), "conv")
         if isinstance(self.norm, nnx.BatchNorm):
             y = self.norm(y, use_running_average=not train)
         elif self.norm is not None:
             y = self.norm(y)
-        y = nnx.relu(y)
-        y = nnx.max_pool(y, window_shape=(2, 2), strides=(2, 2), padding="SAME")
+        y = checkpoint_name(y, "norm")
+        y = checkpoint_name(nnx.relu(y), "relu")
+        y = max_pool_2x2(y)
         return constrain(y, ax.IMAGE_BHWC)
 
 
@@ -115,9 +162,10 @@ def layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int]) -> list
 class CNN(nnx.Module):
     def __init__(self, config: ModelConfig, image_shape: tuple[int, int, int], *, rngs: nnx.Rngs):
         layers = layer_shapes(config, image_shape)
+        dtype = jnp.dtype(config.dtype)
         self.blocks = nnx.List(
             [
-                ConvBlock(layer.in_features, layer.features, layer.space_in, layer.space_out, config.norm, rngs)
+                ConvBlock(layer.in_features, layer.features, layer.space_in, layer.space_out, config, rngs)
                 for layer in layers
                 if layer.kind == "conv"
             ]
@@ -129,6 +177,7 @@ class CNN(nnx.Module):
                     layer.features,
                     kernel_metadata=_named(layer.space_in, layer.space_out),
                     bias_metadata=_named(layer.space_out),
+                    dtype=dtype,
                     rngs=rngs,
                 )
                 for layer in layers

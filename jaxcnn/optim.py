@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import optax
 
-from jaxcnn.config import OptimConfig
+from jaxcnn.config import OptimConfig, TrainConfig
 
 
 def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -13,11 +15,14 @@ def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
         if warmup == 0:
             return optax.constant_schedule(config.learning_rate)
         return optax.join_schedules(
-            [optax.linear_schedule(0.0, config.learning_rate, warmup), optax.constant_schedule(config.learning_rate)],
+            [
+                optax.linear_schedule(config.warmup_from, config.learning_rate, warmup),
+                optax.constant_schedule(config.learning_rate),
+            ],
             [warmup],
         )
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
+        init_value=config.warmup_from,
         peak_value=config.learning_rate,
         warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1),
@@ -32,3 +37,19 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
     if config.name == "adamw":
         return optax.adamw(schedule, weight_decay=config.weight_decay)
     return optax.sgd(schedule, momentum=config.momentum or None)
+
+
+def optim_for_batch(config: OptimConfig, train: TrainConfig, batch_size: int) -> OptimConfig:
+    """The optimizer settings for a global batch of `batch_size`.
+
+    Linear scaling (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): the learning rate
+    grows with the batch, lr x batch / base_batch, and the warmup climbs from the base
+    rate to it. A batch schedule without it scales the rate against the schedule's first
+    batch, so a growing batch keeps lr / batch -- the noise scale -- as it was.
+    """
+    reference = train.base_batch if train.lr_scaling == "linear" else train.batch_sizes[0]
+    factor = batch_size / reference
+    if factor == 1 and train.lr_scaling == "none":
+        return config
+    warmup_from = min(config.learning_rate, config.learning_rate * factor) if train.lr_scaling == "linear" else 0.0
+    return dataclasses.replace(config, learning_rate=config.learning_rate * factor, warmup_from=warmup_from)

@@ -1,4 +1,4 @@
-"""PNG figures for the comparison and scaling reports (matplotlib, no display needed)."""
+"""PNG figures for the reports: layouts, scaling, remat, batch scaling, sync vs async (matplotlib, Agg)."""
 
 from __future__ import annotations
 
@@ -111,4 +111,61 @@ def scaling_plot(rows: list[dict], path: Path, title: str, verdict: str = "") ->
     fig.suptitle(title, y=1.04)
     if verdict:
         fig.text(0.5, -0.04, "verdict: " + verdict, ha="center", fontsize=10, weight="bold")
+    return _save(fig, path)
+
+
+def remat_plot(rows: list[dict], path: Path, title: str) -> Path:
+    """Temp memory and FLOPs per remat policy: what each saves and what it costs."""
+    labels = [r["remat"] + (f"\n({r['remat_names']})" if r.get("remat_names") else "") for r in rows]
+    x = range(len(rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, change, name, scale in [
+        (axes[0], "temp_bytes_per_device", "temp_change", "temp bytes per device (MiB)", 2**20),
+        (axes[1], "flops_per_device", "flops_change", "FLOPs per device per step (GFLOP)", 1e9),
+    ]:
+        bars = ax.bar(x, [r[key] / scale for r in rows], color="tab:blue" if ax is axes[0] else "tab:orange")
+        for bar, r in zip(bars, rows, strict=True):
+            ax.annotate(
+                f"{r[change]:+.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom"
+            )
+        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.set_title(name)
+    fig.suptitle(title, y=1.02)
+    return _save(fig, path)
+
+
+def batch_scaling_plot(rows: list[dict], path: Path, title: str) -> Path:
+    """Test accuracy against the global batch, with and without the learning-rate rule."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for rule, style in (("none", "o--"), ("linear", "s-")):
+        points = sorted((r["global_batch_size"], 100 * r["test_accuracy"]) for r in rows if r["lr_scaling"] == rule)
+        if points:
+            label = "fixed learning rate" if rule == "none" else "linear scaling + warmup (Goyal et al.)"
+            ax.plot(*zip(*points, strict=True), style, label=label)
+    ax.set_xscale("log", base=2)
+    batches = sorted({r["global_batch_size"] for r in rows})
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("global batch")
+    ax.set_ylabel("test accuracy (%)")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
+def sync_plot(curves: dict[str, list[float]], rows: list[dict], path: Path, title: str) -> Path:
+    """Loss per step for each update rule, and the bytes each moves per step."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, losses in curves.items():
+        axes[0].plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("optimizer step")
+    axes[0].set_ylabel("training loss")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("loss curves")
+    x = range(len(rows))
+    axes[1].bar(x, [r["comm_bytes_per_step"] / 2**20 for r in rows], color="tab:purple")
+    axes[1].set_xticks(list(x), [r["rule"] for r in rows], fontsize=8, rotation=20)
+    axes[1].set_ylabel("MiB per device per step")
+    axes[1].set_title("collective bytes per step (compiled HLO)")
+    fig.suptitle(title, y=1.02)
     return _save(fig, path)

@@ -21,6 +21,7 @@ from jaxcnn.errors import UserError
 EPOCH_COLUMNS = [
     "epoch",
     "step",
+    "global_batch_size",
     "train_loss",
     "train_accuracy",
     "test_loss",
@@ -105,6 +106,8 @@ def write_submission(path: str | Path, predictions: np.ndarray) -> Path:
 
 def summary_text(record: dict) -> str:
     """The one-screen summary printed at the end of a run."""
+    schedule = record.get("batch_schedule")
+    batch = " -> ".join(str(b) for _, b in schedule) if schedule else record["global_batch_size"]
 
     def pct(x):
         return "n/a (no labels)" if x is None else f"{100 * x:.2f}%"
@@ -114,8 +117,7 @@ def summary_text(record: dict) -> str:
         f"model           {record['model']} ({record['num_params']:,} parameters)",
         f"layout          {record['layout']}  mesh {mesh}  ({record['num_devices']} x {record['device_kind']}"
         f"{', simulated' if record.get('simulated_devices') else ''}; {record['num_processes']} process(es))",
-        f"training        {record['steps']} steps x batch {record['global_batch_size']}, final loss "
-        f"{record['loss_history'][-1]:.4f}",
+        f"training        {record['steps']} steps x batch {batch}, final loss {record['loss_history'][-1]:.4f}",
         f"test accuracy   {pct(record['test_accuracy'])}"
         + (f"  (loss {record['test_loss']:.4f})" if record["test_loss"] is not None else ""),
         f"throughput      {record['images_per_second']:,.0f} images/s (steady state), "

@@ -16,40 +16,43 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxcnn.checkpoint import state_fingerprint
 from jaxcnn.compiling import compile_all, cpu_init_options
-from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
+from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig
 from jaxcnn.data import Dataset, Prefetcher, eval_batches, to_global, train_batches
 from jaxcnn.errors import UserError
-from jaxcnn.models import build_model, cross_entropy
-from jaxcnn.optim import make_optimizer
+from jaxcnn.models import build_model
+from jaxcnn.optim import make_optimizer, optim_for_batch
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import (
     ParamPlacement,
-    activation_layout,
     data_sharding,
     optimizer_shardings,
     place_variables,
 )
-
-
-class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar: optimizer steps taken
-    params: nnx.State
-    model_state: nnx.State  # BatchNorm running statistics (empty without batch norm)
-    opt_state: optax.OptState
-    rng: jax.Array  # uint32 key data; step k's dropout key is fold_in(rng, k)
+from jaxcnn.steps import (
+    StepContext,
+    TrainState,
+    UpdatePlan,
+    average_replicas,
+    eval_step,
+    make_train_step,
+    plan_updates,
+    replica_sharding,
+    replicate,
+    split_model,
+)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Program:
     eval_shardings: tuple[NamedSharding, NamedSharding, NamedSharding]  # (images, labels, mask)
     placements: list[ParamPlacement]  # parameters, then model state (BN statistics)
     compute_placements: list[ParamPlacement]  # parameters as used for compute (FSDP: gathered)
+    update_plan: UpdatePlan
     num_params: int
     init: Callable[[], TrainState] | None  # compiled: () -> state, each device creating its own shards
     train_step: Any  # compiled: (state, images, labels) -> (state, metrics)
@@ -74,43 +78,21 @@ class Program:
         Any  # compiled: (state, images, labels, mask) -> (loss_sum, correct_sum, predictions); None without with_eval
     )
     compile_seconds: float
+    average_step: Any = None  # local SGD: compiled (state) -> state, replicas averaged
+    batch_order: np.ndarray | None = None  # gradient accumulation: see UpdatePlan.batch_order
+
+    def place_batch(self, images: np.ndarray, labels: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """A host batch as the train step's global arrays (each process gives its rows)."""
+        if self.batch_order is not None:
+            images, labels = images[self.batch_order], labels[self.batch_order]
+        return to_global(images, self.batch_shardings[0]), to_global(labels, self.batch_shardings[1])
+
+    @property
+    def sync_every(self) -> int:
+        return self.update_plan.config.sync_every if self.average_step is not None else 0
 
 
-def _split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    return nnx.split(model, nnx.Param, ...)
-
-
-def _train_step(graphdef, tx, layout, mesh, compute_shardings, state: TrainState, images, labels):
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-
-    def loss_fn(params):
-        if compute_shardings is not None:
-            # FSDP: gather each parameter whole for compute. The constraint's transpose
-            # makes its gradient arrive whole too, then be reduce-scattered to the owner
-            # shards -- ZeRO-3 -- instead of letting XLA spread the kernels' split into
-            # the activations.
-            params = jax.lax.with_sharding_constraint(params, compute_shardings)
-        model = nnx.merge(graphdef, params, state.model_state, copy=True)  # fresh Variables: BN mutates them
-        with activation_layout(layout, mesh):
-            logits = model(images, train=True, rngs=nnx.Rngs(dropout=key))
-        _, _, model_state = _split(model)
-        return cross_entropy(logits, labels).mean(), (logits, model_state)
-
-    (loss, (logits, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
-    return TrainState(state.step + 1, params, model_state, opt_state, state.rng), metrics
-
-
-def _eval_step(graphdef, layout, mesh, state: TrainState, images, labels, mask):
-    model = nnx.merge(graphdef, state.params, state.model_state)
-    with activation_layout(layout, mesh):
-        logits = model(images, train=False)
-    predictions = jnp.argmax(logits, -1)
-    loss_sum = jnp.sum(cross_entropy(logits, labels) * mask)
-    correct_sum = jnp.sum((predictions == labels) * mask)
-    return loss_sum, correct_sum, predictions
+_split = split_model
 
 
 def build_program(
@@ -125,37 +107,55 @@ def build_program(
     eval_batch_size: int | None = None,
     with_eval: bool = True,
     with_init: bool = True,
+    update: UpdateConfig | None = None,
 ) -> Program:
     """Shapes -> shardings -> compiled init, train and eval steps. Nothing is allocated.
     `with_eval` / `with_init` False skip compiling those (training without a test set;
-    cost inspection and planning, which only read the train step)."""
+    cost inspection and planning, which only read the train step). `update` picks the
+    step's update rule (jaxcnn.steps): accumulation, local SGD, stale gradients."""
     eval_batch_size = eval_batch_size or batch_size
+    update = update or UpdateConfig()
     tx = make_optimizer(optim_config, total_steps)
+    plan = plan_updates(update, layout, mesh, batch_size)
+    replicas = plan.groups if update.local else 0
 
     def init() -> TrainState:
         _, params, model_state = _split(build_model(model_config, image_shape, seed))
         rng = jax.random.key_data(jax.random.key(seed + 1))
-        return TrainState(jnp.zeros((), jnp.int32), params, model_state, tx.init(params), rng)
+        opt_state = tx.init(params)
+        if replicas:  # local SGD: every replica starts from the same parameters
+            params, model_state, opt_state = replicate((params, model_state, opt_state), replicas)
+        history = (params,) * update.staleness
+        return TrainState(jnp.zeros((), jnp.int32), params, model_state, opt_state, rng, history)
 
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model_config, image_shape, seed)))
+    graphdef, abstract_params, abstract_stats = _split(
+        nnx.eval_shape(lambda: build_model(model_config, image_shape, seed))
+    )
     abstract = jax.eval_shape(init)
 
     # --- shard: every array's placement, from the layout's rules ----------------------
     replicated = NamedSharding(mesh, P())
-    param_shardings, placements = place_variables(abstract.params, layout, mesh)
+    param_shardings, placements = place_variables(abstract_params, layout, mesh)
     compute_shardings, compute_placements = None, placements
     if layout.lookup(ax.PARAMS)[0]:  # FSDP: where parameters live for compute (gathered)
         gathered = dataclasses.replace(layout, rules=tuple(r for r in layout.rules if r[0] != ax.PARAMS))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the same fallbacks were just reported
-            compute_shardings, compute_placements = place_variables(abstract.params, gathered, mesh)
-    stat_shardings, stat_placements = place_variables(abstract.model_state, layout, mesh)
+            compute_shardings, compute_placements = place_variables(abstract_params, gathered, mesh)
+    stat_shardings, stat_placements = place_variables(abstract_stats, layout, mesh)
+    opt_shardings = optimizer_shardings(tx, jax.eval_shape(tx.init, abstract_params), param_shardings, mesh)
+    grad_shardings = compute_shardings if compute_shardings is not None else param_shardings
+    if replicas:  # each leaf gains a leading replica dim, split over the replica axes
+        param_shardings, stat_shardings, opt_shardings = jax.tree.map(
+            lambda s: replica_sharding(s, plan.groups_axes), (param_shardings, stat_shardings, opt_shardings)
+        )
     state_shardings = TrainState(
         step=replicated,
         params=param_shardings,
         model_state=stat_shardings,
-        opt_state=optimizer_shardings(tx, abstract.opt_state, param_shardings, mesh),
+        opt_state=opt_shardings,
         rng=replicated,
+        history=(param_shardings,) * update.staleness,
     )
     image_sharding = data_sharding(ax.IMAGE_BHWC, (batch_size, *image_shape), layout, mesh, "global batch")
     label_sharding = data_sharding((ax.BATCH,), (batch_size,), layout, mesh, "global batch")
@@ -169,20 +169,26 @@ def build_program(
     )
     images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sharding)
     labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sharding)
+    context = StepContext(graphdef, tx, mesh, layout, compute_shardings)
+    train_step = make_train_step(context, plan, param_shardings, grad_shardings)
     lowered = {
         "train": jax.jit(
-            lambda state, x, y: _train_step(graphdef, tx, layout, mesh, compute_shardings, state, x, y),
+            train_step,
             in_shardings=(state_shardings, image_sharding, label_sharding),
             out_shardings=(state_shardings, replicated),
             donate_argnums=0,
         ).lower(abstract_state, images, labels)
     }
+    if replicas:
+        lowered["average"] = jax.jit(
+            average_replicas, in_shardings=(state_shardings,), out_shardings=state_shardings, donate_argnums=0
+        ).lower(abstract_state)
     if with_eval:
         eval_images = jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=eval_image_sharding)
         eval_labels = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=eval_vector_sharding)
         eval_mask = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=eval_vector_sharding)
         lowered["eval"] = jax.jit(
-            lambda state, x, y, m: _eval_step(graphdef, layout, mesh, state, x, y, m),
+            lambda state, x, y, m: eval_step(graphdef, layout, mesh, bool(replicas), state, x, y, m),
             in_shardings=(state_shardings, eval_image_sharding, eval_vector_sharding, eval_vector_sharding),
             out_shardings=(replicated, replicated, replicated),
         ).lower(abstract_state, eval_images, eval_labels, eval_mask)
@@ -203,12 +209,47 @@ def build_program(
         eval_shardings=(eval_image_sharding, eval_vector_sharding, eval_vector_sharding),
         placements=placements + stat_placements,
         compute_placements=compute_placements,
+        update_plan=plan,
         num_params=sum(math.prod(p.shape) for p in placements),
         init=compiled.get("init"),
         train_step=compiled["train"],
         eval_step=compiled.get("eval"),
         compile_seconds=compile_seconds,
+        average_step=compiled.get("average"),
+        batch_order=plan.batch_order(batch_size),
     )
+
+
+def build_programs(
+    model_config: ModelConfig,
+    optim_config: OptimConfig,
+    layout: Layout,
+    mesh: Mesh,
+    image_shape: tuple[int, int, int],
+    train_config: TrainConfig,
+    train_size: int,
+    update: UpdateConfig | None = None,
+    with_eval: bool = True,
+) -> dict[int, Program]:
+    """One program per global batch the run uses (a batch schedule has several), each
+    with its learning rate scaled for its batch (jaxcnn.optim.optim_for_batch)."""
+    steps = total_steps(train_size, train_config)
+    return {
+        batch: build_program(
+            model_config,
+            optim_for_batch(optim_config, train_config, batch),
+            layout,
+            mesh,
+            image_shape,
+            batch,
+            steps,
+            seed=train_config.seed,
+            eval_batch_size=train_config.eval_batch_size,
+            with_eval=with_eval,
+            update=update,
+        )
+        for batch in train_config.batch_sizes
+    }
 
 
 def plan_placements(
@@ -253,19 +294,53 @@ class FitResult:
     extra: dict = field(default_factory=dict)
 
 
-def steps_plan(train_size: int, config: TrainConfig) -> tuple[int, int]:
-    """(steps per epoch, total optimizer steps)."""
-    per_epoch = train_size // config.batch_size
-    if per_epoch == 0:
-        raise UserError(
-            f"--batch-size {config.batch_size} is larger than the {train_size} training images; use a smaller batch"
-        )
-    total = per_epoch * config.epochs
-    return per_epoch, min(total, config.max_steps or total)
+def epoch_steps(train_size: int, config: TrainConfig) -> list[int]:
+    """Optimizer steps in each epoch that runs (a batch schedule changes them; `max_steps` cuts them)."""
+    steps, left = [], config.max_steps
+    for epoch in range(config.epochs):
+        batch = config.batch_for_epoch(epoch)
+        per_epoch = train_size // batch
+        if per_epoch == 0:
+            raise UserError(
+                f"--batch-size {batch} is larger than the {train_size} training images; use a smaller batch"
+            )
+        if left is not None:
+            per_epoch = min(per_epoch, left)
+            left -= per_epoch
+        if per_epoch == 0:
+            break
+        steps.append(per_epoch)
+    return steps
+
+
+def total_steps(train_size: int, config: TrainConfig) -> int:
+    return sum(epoch_steps(train_size, config))
+
+
+class NonFiniteLoss(UserError):
+    """The training loss became NaN or infinite (the run stops; checkpoints stay good)."""
+
+
+@dataclass
+class Resume:
+    """Where a restored run continues: its step and what it had recorded so far."""
+
+    step: int
+    loss_history: list[float]
+    accuracy_history: list[float]
+    epochs: list[dict]
+    skipped_steps: int = 0
+
+    @classmethod
+    def from_record(cls, record: dict) -> Resume:
+        return cls(
+            record["step"], record["loss_history"], record["accuracy_history"], record["epochs"],
+            record.get("skipped_steps", 0),
+        )  # fmt: skip
 
 
 def fit(
-    program: Program,
+    programs: Program | dict[int, Program],
     state: TrainState,
     train_set: Dataset,
     test_set: Dataset | None,
@@ -273,54 +348,111 @@ def fit(
     *,
     progress: bool = True,
     prefetch_depth: int = 2,
+    checkpointer=None,
+    resume: Resume | None = None,
+    skip_nonfinite: bool = False,
 ) -> FitResult:
-    """Train for the planned steps, evaluating on `test_set` after every epoch."""
-    per_epoch, total = steps_plan(len(train_set), config)
-    batch = program.batch_size
-    losses, rows = [], []
+    """Train for the planned steps, evaluating on `test_set` after every epoch.
+
+    `programs` maps each global batch of `config.batch_sizes` to its program (one compile
+    per size); a single program is a run of one batch size. With a `checkpointer`
+    (jaxcnn.checkpoint) the state is saved every N steps and at the end; `resume`
+    continues a restored run at its step, on the same data position. A non-finite loss
+    stops the run (NonFiniteLoss, naming the step) before anything non-finite is saved --
+    unless `skip_nonfinite`, where the compiled step has already skipped it.
+    """
+    if not isinstance(programs, dict):
+        programs = {programs.batch_size: programs}
+    resume = resume or Resume(0, [], [], [])
+    plan = epoch_steps(len(train_set), config)
+    total = sum(plan)
+    losses, accuracies, rows = list(resume.loss_history), list(resume.accuracy_history), list(resume.epochs)
+    skipped, images_seen, step = resume.skipped_steps, 0, resume.step
     train_seconds = wait_seconds = first_step_seconds = 0.0
     interactive = sys.stderr.isatty()  # in a log, a line every 10 s rather than a redraw per step
     bar = tqdm(
-        total=total, unit="step", disable=not progress, mininterval=0.1 if interactive else 10, leave=interactive
-    )
-    step = 0
-    for epoch in range(math.ceil(total / per_epoch)):
-        count = min(per_epoch, total - step)
+        total=total, initial=step, unit="step", disable=not progress, mininterval=0.1 if interactive else 10,
+        leave=interactive,
+    )  # fmt: skip
+    result, fingerprint = None, None
+
+    def collect(metrics: list) -> None:
+        """Move pending step metrics to the host and check them (a sync point)."""
+        nonlocal skipped
+        start = len(losses)
+        for m in jax.device_get(metrics):
+            losses.append(float(m["loss"]))
+            accuracies.append(float(m["accuracy"]))
+            skipped += int(m.get("skipped", 0))
+        metrics.clear()
+        bad = [k for k, v in enumerate(losses[start:], start + 1) if not math.isfinite(v)]
+        if bad and not skip_nonfinite:
+            where = f"; the last good checkpoint is in {checkpointer.directory}" if checkpointer else ""
+            raise NonFiniteLoss(
+                f"training loss is {losses[bad[0] - 1]} at step {bad[0]}; stopped{where}. "
+                "Lower --lr, or pass --skip-nonfinite to skip such steps"
+            )
+
+    def save(state) -> None:
+        nonlocal fingerprint
+        fingerprint = fingerprint or state_fingerprint(state)
+        record = {
+            "step": step, "loss_history": losses, "accuracy_history": accuracies, "epochs": rows,
+            "skipped_steps": skipped, "fingerprint": fingerprint,
+        }  # fmt: skip
+        checkpointer.save(step, state, record)
+
+    first_in_epoch = 0
+    for epoch, count in enumerate(plan):
+        first_in_epoch, done_before = first_in_epoch + (plan[epoch - 1] if epoch else 0), step
+        if first_in_epoch + count <= step:
+            continue  # finished before the checkpoint this run resumed from
+        batch = config.batch_for_epoch(epoch)
+        program = programs[batch]
         batches = train_batches(train_set, batch, epoch, config.seed)
+        for _ in range(step - first_in_epoch):  # the data position of a resumed epoch
+            next(batches)
 
-        def produce(_, batches=batches):
+        def produce(_, batches=batches, program=program):
             images, labels = next(batches)
-            return to_global(images, program.batch_shardings[0]), to_global(labels, program.batch_shardings[1])
+            return program.place_batch(images, labels)
 
-        loader = Prefetcher(produce, count, depth=prefetch_depth)
-        metrics = []
+        todo = first_in_epoch + count - step
+        loader = Prefetcher(produce, todo, depth=prefetch_depth)
+        pending = []
         start = time.perf_counter()
         for images, labels in loader:
             state, step_metrics = program.train_step(state, images, labels)
-            metrics.append(step_metrics)
-            if step == 0:  # the first run carries one-off costs: keep it out of steady state
+            if program.sync_every and ((step + 1) % program.sync_every == 0 or step + 1 == total):
+                state = program.average_step(state)  # local SGD: replicas meet (and at the end)
+            pending.append(step_metrics)
+            if step == done_before and images_seen == 0:  # one-off costs: keep them out of steady state
                 jax.block_until_ready(state)
                 first_step_seconds = time.perf_counter() - start
             step += 1
+            images_seen += batch
             bar.update(1)
+            if checkpointer is not None and (checkpointer.due(step) or step == total):
+                collect(pending)  # never save a state that followed a non-finite loss
+                save(state)
         jax.block_until_ready(state)
         epoch_seconds = time.perf_counter() - start
         loader.close()
         train_seconds += epoch_seconds
         wait_seconds += loader.wait_seconds
-        epoch_metrics = jax.device_get(metrics)
-        epoch_losses = [float(m["loss"]) for m in epoch_metrics]
-        losses += epoch_losses
+        collect(pending)
         result = evaluate(program, state, test_set) if test_set is not None else None
+        epoch_losses = losses[first_in_epoch : first_in_epoch + count]
         row = {
             "epoch": epoch + 1,
             "step": step,
+            "global_batch_size": batch,
             "train_loss": float(np.mean(epoch_losses)),
-            "train_accuracy": float(np.mean([float(m["accuracy"]) for m in epoch_metrics])),
+            "train_accuracy": float(np.mean(accuracies[first_in_epoch : first_in_epoch + count])),
             "test_loss": result.loss if result else None,
             "test_accuracy": result.accuracy if result else None,
             "epoch_seconds": epoch_seconds,
-            "images_per_second": count * batch / epoch_seconds,
+            "images_per_second": todo * batch / epoch_seconds,
             "input_wait_fraction": loader.wait_seconds / epoch_seconds,
         }
         rows.append(row)
@@ -329,16 +461,20 @@ def fit(
             postfix["test_acc"] = f"{row['test_accuracy']:.4f}"
         bar.set_postfix(postfix)
     bar.close()
-    steady_steps, steady_seconds = step - 1, train_seconds - first_step_seconds
-    if steady_steps == 0:
-        steady_steps, steady_seconds = 1, train_seconds
+    if result is None and test_set is not None:  # resumed at the very end: nothing left to train
+        result = evaluate(programs[config.batch_for_epoch(len(plan) - 1)], state, test_set)
+    first_batch = config.batch_for_epoch(0)
+    steady_images, steady_seconds = images_seen - first_batch, train_seconds - first_step_seconds
+    if steady_images <= 0 or steady_seconds <= 0:
+        steady_images, steady_seconds = max(images_seen, 1), max(train_seconds, 1e-9)
     return FitResult(
         state=state,
         loss_history=losses,
         epochs=rows,
         steps=step,
         train_seconds=train_seconds,
-        images_per_second=steady_steps * batch / steady_seconds,
-        input_wait_fraction=wait_seconds / train_seconds,
+        images_per_second=steady_images / steady_seconds,
+        input_wait_fraction=wait_seconds / train_seconds if train_seconds else 0.0,
         final_eval=result,
+        extra={"skipped_steps": skipped, "resumed_from_step": resume.step or None},
     )

@@ -68,28 +68,37 @@ def bundled_digits():
 _PROGRAMS: dict = {}
 
 
-def compiled_program(layout, mesh_shape, model_config=TINY_PLAIN, steps=20, batch_size=32, seed=0, image_shape=None):
+def compiled_program(
+    layout, mesh_shape, model_config=TINY_PLAIN, steps=20, batch_size=32, seed=0, image_shape=None, update=None,
+    optim=None,
+):  # fmt: skip
     """One compiled program per configuration for the whole session (tests share them)."""
+    from jaxcnn.config import UpdateConfig
     from jaxcnn.sharding import build_mesh
     from jaxcnn.train import build_program
 
     image_shape = image_shape or bundled_digits().image_shape
-    key = (layout, tuple(mesh_shape.items()), model_config, steps, batch_size, seed, image_shape)
+    update = None if update == UpdateConfig() else update  # the default shares the plain programs
+    key = (layout, tuple(mesh_shape.items()), model_config, steps, batch_size, seed, image_shape, update, optim)
     if key not in _PROGRAMS:
         _PROGRAMS[key] = build_program(
-            model_config, _optim(), layout, build_mesh(mesh_shape), image_shape, batch_size, steps, seed=seed,
-            with_eval=False,  # the harness trains without a test set
+            model_config, optim or _optim(), layout, build_mesh(mesh_shape), image_shape, batch_size, steps,
+            seed=seed, with_eval=False, update=update,  # the harness trains without a test set
         )  # fmt: skip
     return _PROGRAMS[key]
 
 
-def train_losses(layout, mesh_shape, model_config=TINY_PLAIN, steps=20, batch_size=32, seed=0, data=None):
+def train_losses(
+    layout, mesh_shape, model_config=TINY_PLAIN, steps=20, batch_size=32, seed=0, data=None, update=None, optim=None
+):
     """Train `steps` steps on the bundled digits; return (per-step losses, final state, program)."""
     from jaxcnn.config import TrainConfig
     from jaxcnn.train import fit
 
     data = data or bundled_digits()
     config = TrainConfig(batch_size=batch_size, epochs=1, max_steps=steps, seed=seed)
-    program = compiled_program(layout, mesh_shape, model_config, steps, batch_size, seed, data.image_shape)
+    program = compiled_program(
+        layout, mesh_shape, model_config, steps, batch_size, seed, data.image_shape, update, optim
+    )
     result = fit(program, program.init(), data, None, config, progress=False)
     return np.asarray(result.loss_history), result.state, program

@@ -83,6 +83,28 @@ BAD_INPUT = {
         "a pipeline of 4 stages needs at least 4 layers",
     ),
     "micro-batches without pipeline": (["--microbatches", "4"], "apply to --layout pipeline only"),
+    # training techniques
+    "grad-accum zero": (["--grad-accum", "0"], "--grad-accum must be a positive integer"),
+    "grad-accum not dividing": (["--grad-accum", "3"], "does not split into 8 data shards x 3 micro-batches"),
+    "local sgd without replicas": (
+        ["--layout", "fsdp", "--sync", "local-sgd"],
+        "splits the batch but not the parameters",
+    ),
+    "staleness with local sgd": (["--sync", "local-sgd", "--staleness", "2"], "use it with --sync allreduce"),
+    "negative staleness": (["--staleness", "-1"], "--staleness must be >= 0"),
+    "sync-every without local sgd": (["--sync-every", "4"], "--sync-every applies to --sync local-sgd"),
+    "batch schedule unreadable": (["--batch-schedule", "0:64,x"], "is not a list of EPOCH:BATCH pairs"),
+    "batch schedule not from 0": (["--batch-schedule", "5:64"], "must start at epoch 0"),
+    "linear scaling without base": (["--lr-scaling", "linear"], "needs --base-batch"),
+    "auto-batch unreadable": (["--auto-batch", "lots"], "cannot read 'lots' as a size"),
+    "auto-batch too small": (["--auto-batch", "1KiB"], "even a global batch of 8 needs"),
+    "auto-batch with schedule": (["--auto-batch", "1GiB", "--batch-schedule", "0:64"], "drop it or --batch-schedule"),
+    "remat unknown": (["--remat", "some"], "argument --remat: invalid choice"),
+    "remat names unknown": (["--remat", "names", "--remat-names", "conv,attn"], "unknown --remat-names attn"),
+    "pipeline with grad-accum": (
+        ["--layout", "pipeline", "--mesh", "data=2,stage=4", "--grad-accum", "2"],
+        "do not apply to --layout pipeline",
+    ),
 }
 
 

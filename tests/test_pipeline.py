@@ -1,6 +1,8 @@
 """GPipe: equal to one device step for step, gradients equal a sequential reference, each
 stage holding only its own parameters, and bad pipeline settings refused."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,3 +185,15 @@ def test_train_script_runs_the_pipeline_and_records_it(tmp_path, capsys):
     assert record["microbatches"] == 2 and record["bubble_fraction"] == pytest.approx(1 / 3)
     assert len(record["loss_history"]) == 3 and record["test_accuracy"] is not None
     assert "pipeline: 2 stages x 2 micro-batches of 16" in capsys.readouterr().out
+
+
+def test_remat_and_bfloat16_reach_the_pipeline_stages():
+    """The stages run the model's own conv blocks, so --remat and --dtype apply there too."""
+    mesh = {"data": 2, "stage": 2}
+    plain = pipeline_run(mesh, 2)
+    rematted = pipeline_run(mesh, 2, dataclasses.replace(TINY_PLAIN, remat="full"))
+    np.testing.assert_allclose(rematted[0], plain[0], rtol=1e-5)
+    bf16 = pipeline_run(mesh, 2, dataclasses.replace(TINY_PLAIN, dtype="bfloat16"))
+    hlo = "\n".join(c.as_text() for stage in bf16[2].stage_programs for c in stage.values() if hasattr(c, "as_text"))
+    assert any("bf16" in line and "convolution" in line for line in hlo.splitlines())
+    np.testing.assert_allclose(bf16[0], plain[0], rtol=3e-2)

@@ -9,7 +9,7 @@ from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.errors import UserError
 from jaxcnn.optim import make_optimizer, make_schedule
 from jaxcnn.sharding import get_layout
-from jaxcnn.train import steps_plan
+from jaxcnn.train import epoch_steps
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +48,12 @@ def test_batch_norm_and_dropout_model_under_dp_matches_single():
     assert int(state.step) == 10
 
 
-def test_steps_plan_and_batch_larger_than_data():
-    assert steps_plan(100, TrainConfig(batch_size=32, epochs=3)) == (3, 9)
-    assert steps_plan(100, TrainConfig(batch_size=32, epochs=3, max_steps=4)) == (3, 4)
+def test_epoch_steps_and_batch_larger_than_data():
+    assert epoch_steps(100, TrainConfig(batch_size=32, epochs=3)) == [3, 3, 3]
+    assert epoch_steps(100, TrainConfig(batch_size=32, epochs=3, max_steps=4)) == [3, 1]
+    assert epoch_steps(100, TrainConfig(epochs=3, batch_schedule=((0, 20), (2, 50)))) == [5, 5, 2]
     with pytest.raises(UserError, match="larger than the 10 training images"):
-        steps_plan(10, TrainConfig(batch_size=32))
+        epoch_steps(10, TrainConfig(batch_size=32))
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])

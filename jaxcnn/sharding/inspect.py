@@ -49,10 +49,20 @@ class Collective:
     dtype: str
     shapes: tuple[tuple[int, ...], ...]  # per-device result arrays
     line: str  # the HLO instruction, for the lint's messages
+    repeats: int = 1  # times it runs per call of the program: inside a while loop, its trip count
 
     @property
     def wire_bytes(self) -> float:
         return ring_wire_bytes(self.kind, self.group_size, self.buffer_bytes)
+
+    @property
+    def step_bytes(self) -> int:
+        """buffer_bytes x repeats: what it moves per call of the program."""
+        return self.buffer_bytes * self.repeats
+
+    @property
+    def step_wire_bytes(self) -> float:
+        return self.wire_bytes * self.repeats
 
 
 def ring_wire_bytes(kind: str, group_size: int, buffer_bytes: float) -> float:
@@ -97,10 +107,50 @@ def _group_size(attrs: str, num_devices: int) -> int:
     return num_devices  # replica_groups={} means every device
 
 
-def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-    """Every collective in optimized HLO text (`compiled.as_text()`), in program order."""
-    found = []
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|branch_computations|called_computations)=(\{[^}]*\}|[^,\s]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _repeats(hlo_text: str) -> dict[str, int]:
+    """How many times each computation runs per call of the entry: a while body runs its
+    known trip count (1 if XLA does not know it) times per run of its caller."""
+    calls: dict[str, list[tuple[str, int]]] = {}
+    entry, current = None, None
     for line in hlo_text.splitlines():
+        if (header := _COMPUTATION.match(line)) and "=" not in line.split("(")[0]:
+            current = header.group(1)
+            calls.setdefault(current, [])
+            entry = current if line.startswith("ENTRY") else entry
+            continue
+        if current is None or "=" not in line:
+            continue
+        trip = int(m.group(1)) if " while(" in line and (m := _TRIP_COUNT.search(line)) else 1
+        for group in _CALLEE.findall(line):
+            for name in re.findall(r"%?([\w.\-]+)", group):
+                body = f"body=%{name}" in line or f"body={name}" in line
+                calls[current].append((name, trip if body else 1))
+    repeats: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        repeats[name] = repeats.get(name, 0) + times
+        for callee, factor in calls.get(name, ()):
+            visit(callee, times * factor)
+
+    if entry is not None:
+        visit(entry, 1)
+    return repeats
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+    """Every collective in optimized HLO text (`compiled.as_text()`), in program order,
+    each with how many times it runs per call (`repeats`: loops run their bodies)."""
+    found = []
+    repeats, current = _repeats(hlo_text), None
+    for line in hlo_text.splitlines():
+        if (header := _COMPUTATION.match(line)) and "=" not in line.split("(")[0]:
+            current = header.group(1)
+            continue
         match = _OP.search(line)
         if match is None:
             continue
@@ -115,7 +165,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         # the result is the buffer, except for reduce-scatter, whose result is one shard
         buffer = result_bytes * group if kind == "reduce-scatter" else result_bytes
         shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays)
-        found.append(Collective(kind, group, buffer, dtype, shapes, line.strip()))
+        found.append(Collective(kind, group, buffer, dtype, shapes, line.strip(), max(repeats.get(current, 1), 1)))
     return found
 
 
@@ -124,9 +174,9 @@ def collective_summary(found: list[Collective]) -> dict[str, dict[str, float]]:
     summary = {kind: {"count": 0, "buffer_bytes": 0, "wire_bytes": 0.0} for kind in KINDS}
     for c in found:
         entry = summary[c.kind]
-        entry["count"] += 1
-        entry["buffer_bytes"] += c.buffer_bytes
-        entry["wire_bytes"] += c.wire_bytes
+        entry["count"] += c.repeats
+        entry["buffer_bytes"] += c.step_bytes
+        entry["wire_bytes"] += c.step_wire_bytes
     return summary
 
 
@@ -165,10 +215,11 @@ class StepCost:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     def comm_bytes(self, kind: str | None = None) -> int:
-        return sum(c.buffer_bytes for c in self.collectives if kind in (None, c.kind))
+        """Per step: a collective inside a loop counts once per iteration."""
+        return sum(c.step_bytes for c in self.collectives if kind in (None, c.kind))
 
     def wire_bytes(self, kind: str | None = None) -> float:
-        return sum(c.wire_bytes for c in self.collectives if kind in (None, c.kind))
+        return sum(c.step_wire_bytes for c in self.collectives if kind in (None, c.kind))
 
 
 def step_cost(compiled, abstract_state, num_devices: int) -> StepCost:

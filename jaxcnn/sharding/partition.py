@@ -244,4 +244,18 @@ def constrain(x: jax.Array, logical: LogicalNames) -> jax.Array:
     if active is None:
         return x
     layout, mesh = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(logical, layout, mesh, x.shape)))
+    return pin(x, NamedSharding(mesh, activation_spec(logical, layout, mesh, x.shape)))
+
+
+def pin(tree, shardings):
+    """`with_sharding_constraint`, also inside a `shard_map` over some of the mesh axes
+    (jaxcnn.steps), where a constraint must name the context's mesh, whose manual axes
+    the specs leave out."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.are_all_axes_manual:
+        return tree  # every axis already taken by hand: nothing left to constrain
+    if not context.empty and context.manual_axes:
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(context, s.spec) if isinstance(s, NamedSharding) else s, shardings
+        )
+    return jax.lax.with_sharding_constraint(tree, shardings)

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcnn.compiling import compile_all, cpu_init_options
 from jaxcnn.config import ModelConfig, OptimConfig
+from jaxcnn.data import to_global
 from jaxcnn.errors import UserError
 from jaxcnn.models import LayerShape, build_model, cross_entropy, layer_shapes
 from jaxcnn.optim import make_optimizer
@@ -172,6 +173,10 @@ class PipelineProgram:
     eval_step: Any  # (state, images, labels, mask) -> (loss_sum, correct_sum, predictions)
     compile_seconds: float
     stage_programs: list[dict]  # per stage: its compiled programs, for inspection
+    sync_every: int = 0  # local SGD does not apply: the pipeline's update is synchronous
+
+    def place_batch(self, images, labels) -> tuple[jax.Array, jax.Array]:
+        return to_global(images, self.batch_shardings[0]), to_global(labels, self.batch_shardings[1])
 
     @property
     def bubble_fraction(self) -> float:
@@ -300,7 +305,9 @@ def build_pipeline_program(
         model = nnx.merge(graphdefs[s], params, stats, copy=True)
         with activation_layout(DP, meshes[s]):
             y = model(x, train=train, rngs=nnx.Rngs(dropout=key) if train else None)
-        return y, nnx.state(model, nnx.Not(nnx.Param))
+        # activations cross stages in float32, so every stage program has one signature
+        # whatever --dtype computes in (bfloat16 would halve the bytes sent; not done yet)
+        return y.astype(jnp.float32), nnx.state(model, nnx.Not(nnx.Param))
 
     # The global batch arrives split over `data` in contiguous rows, so micro-batch i would
     # sit on one device. Once per step it is regrouped as [M, micro, ...] with each
