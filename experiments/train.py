@@ -19,7 +19,7 @@ import jax
 
 from jaxcnn import cli, results
 from jaxcnn.autobatch import largest_batch
-from jaxcnn.checkpoint import Checkpointer
+from jaxcnn.checkpoint import Checkpointer, check_checkpoint_flags
 from jaxcnn.config import UpdateConfig
 from jaxcnn.data import load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.distributed import cluster_from, initialize
@@ -74,6 +74,8 @@ def main(argv=None) -> dict:
     if args.run_name:
         results.check_run_name(args.run_name)
     results_dir = results.ensure_writable_dir(args.results_dir)
+    if args.checkpoint_dir:  # the numbers now; the directory once JAX has started (orbax uses it)
+        check_checkpoint_flags(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
 
     # --- data -------------------------------------------------------------------------
     if args.synthetic:
@@ -96,6 +98,14 @@ def main(argv=None) -> dict:
         host_devices = max(host_devices // cluster.num_processes, 1)
     simulate_cpu_devices(host_devices)
     initialize(cluster)  # jax.distributed, before any device is touched
+    checkpointer = None
+    if args.checkpoint_dir:  # before anything is compiled
+        checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
+        if checkpointer.steps() and not args.resume:
+            raise UserError(
+                f"--checkpoint-dir {checkpointer.directory} already holds checkpoints (steps "
+                f"{', '.join(map(str, checkpointer.steps()))}); pass --resume to continue them or give a new directory"
+            )
     devices = jax.devices()
     simulated = devices[0].platform == "cpu" and len(devices) > 1
     if simulated and args.host_devices is None and jax.process_index() == 0:
@@ -140,9 +150,6 @@ def main(argv=None) -> dict:
     if args.print_shardings and jax.process_index() == 0:
         compiled = None if layout.stage_axis else program.train_step  # pipeline: per-stage programs
         print(format_report(lint(layout, mesh, program.placements, compiled)))
-    checkpointer = (
-        Checkpointer(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints) if args.checkpoint_dir else None
-    )
     try:
         state, resume = start_state(program, checkpointer, args.resume)
         outcome = fit(
@@ -209,14 +216,7 @@ def main(argv=None) -> dict:
 def start_state(program, checkpointer, resume: bool):
     """A fresh state, or (--resume) the newest good checkpoint restored into this program's
     shardings -- which may be another layout's or mesh's than it was saved under."""
-    if checkpointer is None:
-        return program.init(), None
-    if not resume:
-        if checkpointer.steps():
-            raise UserError(
-                f"--checkpoint-dir {checkpointer.directory} already holds checkpoints (steps "
-                f"{', '.join(map(str, checkpointer.steps()))}); pass --resume to continue them or give a new directory"
-            )
+    if checkpointer is None or not resume:
         return program.init(), None
     restored = checkpointer.restore_latest(program.abstract_state)
     if restored is None:

@@ -39,15 +39,20 @@ class Restored:
     record: dict  # what `save` was given
 
 
+def check_checkpoint_flags(directory: str | Path, every: int, keep: int) -> None:
+    """The flags alone, without touching JAX (callable before jax.distributed starts)."""
+    if every < 1:
+        raise UserError(f"--checkpoint-every must be a positive integer, got {every}")
+    if keep < 1:
+        raise UserError(f"--keep-checkpoints must be a positive integer, got {keep}")
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise UserError(f"--checkpoint-dir {directory} is a file; give a directory")
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, every: int, keep: int = 3, asynchronous: bool = True):
-        if every < 1:
-            raise UserError(f"--checkpoint-every must be a positive integer, got {every}")
-        if keep < 1:
-            raise UserError(f"--keep-checkpoints must be a positive integer, got {keep}")
+        check_checkpoint_flags(directory, every, keep)
         self.directory = Path(directory).absolute()
-        if self.directory.exists() and not self.directory.is_dir():
-            raise UserError(f"--checkpoint-dir {directory} is a file; give a directory")
         self.every = every
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=asynchronous, create=True, cleanup_tmp_directories=True
@@ -105,7 +110,7 @@ class Checkpointer:
 
 
 def _short(err: Exception) -> str:
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = str(err).strip().splitlines()[0].split(". See")[0] if str(err).strip() else type(err).__name__
     return text[:160]
 
 

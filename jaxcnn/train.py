@@ -374,7 +374,7 @@ def fit(
         total=total, initial=step, unit="step", disable=not progress, mininterval=0.1 if interactive else 10,
         leave=interactive,
     )  # fmt: skip
-    result, fingerprint = None, None
+    result, fingerprint, saved_at = None, None, resume.step
 
     def collect(metrics: list) -> None:
         """Move pending step metrics to the host and check them (a sync point)."""
@@ -387,20 +387,27 @@ def fit(
         metrics.clear()
         bad = [k for k, v in enumerate(losses[start:], start + 1) if not math.isfinite(v)]
         if bad and not skip_nonfinite:
-            where = f"; the last good checkpoint is in {checkpointer.directory}" if checkpointer else ""
+            where = ""
+            if checkpointer is not None:
+                where = (
+                    f"; the last good checkpoint is step {saved_at} in {checkpointer.directory}"
+                    if saved_at
+                    else "; no checkpoint was saved before it"
+                )
             raise NonFiniteLoss(
                 f"training loss is {losses[bad[0] - 1]} at step {bad[0]}; stopped{where}. "
                 "Lower --lr, or pass --skip-nonfinite to skip such steps"
             )
 
     def save(state) -> None:
-        nonlocal fingerprint
+        nonlocal fingerprint, saved_at
         fingerprint = fingerprint or state_fingerprint(state)
         record = {
             "step": step, "loss_history": losses, "accuracy_history": accuracies, "epochs": rows,
             "skipped_steps": skipped, "fingerprint": fingerprint,
         }  # fmt: skip
         checkpointer.save(step, state, record)
+        saved_at = step
 
     first_in_epoch = 0
     for epoch, count in enumerate(plan):

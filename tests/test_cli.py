@@ -101,6 +101,33 @@ BAD_INPUT = {
     "auto-batch with schedule": (["--auto-batch", "1GiB", "--batch-schedule", "0:64"], "drop it or --batch-schedule"),
     "remat unknown": (["--remat", "some"], "argument --remat: invalid choice"),
     "remat names unknown": (["--remat", "names", "--remat-names", "conv,attn"], "unknown --remat-names attn"),
+    # checkpoints and multi-host
+    "resume without a directory": (["--resume"], "--resume needs --checkpoint-dir"),
+    "checkpoint interval zero": (
+        ["--checkpoint-dir", lambda t: str(t / "ck"), "--checkpoint-every", "0"],
+        "--checkpoint-every must be a positive integer",
+    ),
+    "keep zero checkpoints": (
+        ["--checkpoint-dir", lambda t: str(t / "ck"), "--keep-checkpoints", "0"],
+        "--keep-checkpoints must be a positive integer",
+    ),
+    "checkpoint dir is a file": (["--checkpoint-dir", lambda t: str(t / "keep.json")], "is a file; give a directory"),
+    "coordinator without port": (
+        ["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+        "must be HOST:PORT",
+    ),
+    "coordinator without process count": (["--coordinator", "localhost:1234"], "--coordinator needs --num-processes"),
+    "process id out of range": (
+        ["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+        "--process-id must be in 0..1",
+    ),
+    "process count without coordinator": (["--num-processes", "2"], "need --coordinator HOST:PORT"),
+    # out-of-range numbers
+    "negative learning rate": (["--lr", "-1"], "--lr must be positive"),
+    "dropout of one": (["--dropout", "1"], "--dropout must be in [0, 1)"),
+    "zero batch": (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    "zero max steps": (["--max-steps", "0"], "--max-steps must be a positive integer"),
+    "one class": (["--num-classes", "1"], "--num-classes must be at least 2"),
     "pipeline with grad-accum": (
         ["--layout", "pipeline", "--mesh", "data=2,stage=4", "--grad-accum", "2"],
         "do not apply to --layout pipeline",
@@ -140,3 +167,27 @@ def test_unwritable_results_dir_is_refused_before_training(tmp_path):
     blocker.write_text("not a directory")
     proc = run_cli("--results-dir", str(blocker / "sub"), "--quiet")
     assert proc.returncode != 0 and "cannot be written" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_environment_cluster_variables_are_checked(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JAXCNN_COORDINATOR", "localhost:1234")
+    monkeypatch.setenv("JAXCNN_NUM_PROCESSES", "two")
+    module = load_train_module()
+    with pytest.raises(SystemExit):
+        cli.run_main("train.py", lambda: module.main(["--results-dir", str(tmp_path), "--quiet"]))
+    assert "JAXCNN_NUM_PROCESSES='two' is not an integer" in capsys.readouterr().err
+
+
+def test_existing_checkpoints_are_not_overwritten_without_resume(tmp_path, capsys):
+    module = load_train_module()
+    flags = [*SMALL, "--max-steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--results-dir", str(tmp_path)]
+    module.main(flags)
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    with pytest.raises(SystemExit):
+        cli.run_main("train.py", lambda: module.main(flags))
+    assert "already holds checkpoints (steps 2); pass --resume" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
+    with pytest.raises(SystemExit):  # a checkpoint of another model: one line, nothing touched
+        cli.run_main("train.py", lambda: module.main([*flags, "--resume", "--conv-features", "8,16,32"]))
+    assert "holds a different model or training state" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before

@@ -1,0 +1,127 @@
+"""Checkpoints survive a kill; resuming is exact, also onto another layout; damaged
+checkpoints are skipped; a non-finite loss stops the run without saving it."""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, load_train_module
+
+from jaxcnn import cli
+from jaxcnn.checkpoint import Checkpointer, arrays_equal
+from jaxcnn.config import ModelConfig, OptimConfig
+from jaxcnn.sharding import build_mesh, get_layout
+from jaxcnn.train import build_program
+
+TINY = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32", "--quiet"]
+
+
+def train(tmp_path, name, *flags):
+    """experiments/train.py in-process (the suite's 8 devices); its JSON record."""
+    module = load_train_module()
+    return module.main([*TINY, "--results-dir", str(tmp_path), "--run-name", name, *flags])
+
+
+TINY_CONFIG = ModelConfig(conv_features=(8, 16, 16), dense_features=(32, 16))
+
+
+def final_state(directory, layout="dp", mesh=None, config=TINY_CONFIG):
+    program = build_program(
+        config, OptimConfig(), get_layout(layout), build_mesh(mesh or {"data": 8}), (8, 8, 1), 32, 100,
+        with_eval=False, with_init=False,
+    )  # fmt: skip
+    checkpointer = Checkpointer(directory, every=1)
+    restored = checkpointer.restore_latest(program.abstract_state)
+    checkpointer.close()
+    return restored
+
+
+def test_resume_continues_exactly_and_onto_another_layout(tmp_path):
+    full = train(
+        tmp_path, "full", "--max-steps", "30", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "10"
+    )
+    # drop the last checkpoint: the resumed runs restart from step 20
+    for copy in ("b", "c"):
+        subprocess.run(["cp", "-r", str(tmp_path / "a"), str(tmp_path / copy)], check=True)
+        subprocess.run(["rm", "-rf", str(tmp_path / copy / "30")], check=True)
+    same = train(tmp_path, "same", "--max-steps", "30", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    other = train(
+        tmp_path, "other", "--max-steps", "30", "--checkpoint-dir", str(tmp_path / "c"), "--resume",
+        "--layout", "hybrid", "--mesh", "data=4,model=2",
+    )  # fmt: skip
+    assert same["resumed_from_step"] == 20 and len(same["loss_history"]) == 30
+    assert same["loss_history"] == full["loss_history"]  # bit for bit: same program, same data position
+    np.testing.assert_allclose(other["loss_history"], full["loss_history"], rtol=1e-5)
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert a.step == b.step == 30 and arrays_equal(a.state, b.state)
+    # saved under dp on data=8, restored under hybrid data=4,model=2: the same values
+    resharded = final_state(tmp_path / "a", "hybrid", {"data": 4, "model": 2})
+    assert arrays_equal(resharded.state.params, a.state.params)
+    assert any("model" in str(leaf.sharding.spec) for leaf in jax.tree.leaves(resharded.state.params))
+
+
+def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, recwarn):
+    train(tmp_path, "a", "--max-steps", "20", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "10")
+    for blob in (tmp_path / "ck" / "20" / "state").rglob("d/*"):
+        if blob.is_file():
+            blob.write_bytes(blob.read_bytes()[:16])  # truncated array data
+    restored = final_state(tmp_path / "ck")
+    assert restored.step == 10
+    assert any("checkpoint step 20" in str(w.message) and "damaged" in str(w.message) for w in recwarn.list)
+
+
+def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_after_it(tmp_path, capsys):
+    flags = ["--optimizer", "sgd", "--momentum", "0", "--lr", "1e30", "--schedule", "constant", "--warmup-steps", "0",
+             "--norm", "none", "--max-steps", "12"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_main(
+            "train.py",
+            lambda: train(tmp_path, "nan", *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"),
+        )
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "training loss is nan at step 2; stopped" in error[0], error
+    assert "last good checkpoint is step 1" in error[0]
+    steps = Checkpointer(tmp_path / "ck", every=1).steps()
+    assert steps == [1]
+    assert not (tmp_path / "nan.json").exists()
+    skipped = train(tmp_path, "skip", *flags, "--skip-nonfinite")
+    assert skipped["skipped_steps"] == 11  # every step after the first overflows the parameters
+
+
+def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
+    """SIGKILL mid-training (the default model: ~40 ms a step here), then --resume."""
+    flags = ["--max-steps", "80", "--quiet", "--checkpoint-every", "10", "--results-dir", str(tmp_path)]
+    script = [sys.executable, str(REPO / "experiments/train.py")]
+    reference = subprocess.run(
+        [*script, *flags, "--checkpoint-dir", str(tmp_path / "ref"), "--run-name", "ref"], capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert reference.returncode == 0, reference.stderr
+    kill_after = random.Random().choice(range(20, 70, 10))
+    victim = subprocess.Popen([*script, *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--run-name", "run"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "ck" / str(kill_after)).exists() and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL, f"the run ended before step {kill_after}"
+    assert not (tmp_path / "run.json").exists()
+    resumed = subprocess.run(
+        [*script, *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--run-name", "run", "--resume"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step" in resumed.stdout
+    ref, run = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ref", "run"))
+    assert run["resumed_from_step"] >= kill_after - 10
+    assert run["loss_history"] == ref["loss_history"]
+    a, b = (final_state(tmp_path / d, config=ModelConfig()) for d in ("ref", "ck"))
+    assert a.step == b.step == 80 and arrays_equal(a.state, b.state)

@@ -1,0 +1,76 @@
+"""Several processes on this machine (CPU collectives over gloo) give one process's numbers,
+and a dead peer ends the run instead of hanging (jaxcnn.distributed)."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from jaxcnn.distributed import HEARTBEAT_TIMEOUT_S
+
+TRAIN, LAUNCH = REPO / "experiments/train.py", REPO / "experiments/launch_local.py"
+TINY = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32", "--max-steps", "12",
+        "--epochs", "1", "--quiet"]  # fmt: skip
+# a survivor is told within the heartbeat timeout; the margin covers process start and teardown
+DEAD_PEER_BOUND_S = HEARTBEAT_TIMEOUT_S + 20
+
+
+def run(args, timeout=300):
+    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc
+
+
+@pytest.mark.parametrize("layout_flags", [["--mesh", "data=4"], ["--layout", "hybrid", "--mesh", "data=2,model=2"]],
+                         ids=["dp", "hybrid"])  # fmt: skip
+def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path, layout_flags):
+    run([TRAIN, *TINY, *layout_flags, "--host-devices", "4", "--results-dir", tmp_path / "one", "--run-name", "r"])
+    out = run([LAUNCH, "--num-processes", "2", "--devices-per-process", "2", "--",
+               *TINY, *layout_flags, "--results-dir", tmp_path / "two", "--run-name", "r"]).stdout  # fmt: skip
+    one, two = (json.loads((tmp_path / d / "r.json").read_text()) for d in ("one", "two"))
+    assert two["num_processes"] == 2 and two["num_devices"] == 4 and one["num_processes"] == 1
+    np.testing.assert_allclose(two["loss_history"], one["loss_history"], rtol=1e-5)
+    assert "[p0] wrote" in out and "[p1] wrote" not in out  # only process 0 writes results
+
+
+def test_a_dead_peer_ends_the_run_within_the_bound(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    common = [sys.executable, str(TRAIN), *TINY[:-5], "--epochs", "100000", "--quiet", "--mesh", "data=4",
+              "--results-dir", str(tmp_path), "--coordinator", f"localhost:{port}", "--num-processes", "2",
+              "--host-devices", "2"]  # fmt: skip
+    procs = [
+        subprocess.Popen([*common, "--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
+    connected = threading.Event()
+
+    def watch(stream):  # the gloo ranks print once connected: training starts right after
+        for line in stream:
+            if "connected" in line:
+                connected.set()
+
+    threading.Thread(target=watch, args=(procs[0].stdout,), daemon=True).start()
+    try:
+        assert connected.wait(timeout=120), "the processes never connected"
+        time.sleep(6)  # the step compiles and runs
+        assert all(p.poll() is None for p in procs), "a process ended before the peer was killed"
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        procs[0].wait(timeout=DEAD_PEER_BOUND_S + 30)
+        elapsed = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode != 0
+    assert elapsed < DEAD_PEER_BOUND_S, f"survivor took {elapsed:.1f} s"
