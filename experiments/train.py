@@ -21,7 +21,7 @@ from jaxcnn import cli, results
 from jaxcnn.autobatch import largest_batch
 from jaxcnn.checkpoint import Checkpointer, check_checkpoint_flags
 from jaxcnn.config import UpdateConfig
-from jaxcnn.data import load_csv, parse_image_shape, synthetic_dataset
+from jaxcnn.data import Augment, load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.distributed import cluster_from, initialize
 from jaxcnn.errors import UserError
 from jaxcnn.optim import optim_for_batch
@@ -63,6 +63,9 @@ def main(argv=None) -> dict:
     update_config = cli.update_from_flags(args)
     budget = parse_bytes(args.auto_batch) if args.auto_batch else None
     cluster = cluster_from(args.coordinator, args.num_processes, args.process_id)
+    augment = Augment(args.augment_shift, args.augment_flip)
+    if args.input_workers < 1 or args.prefetch < 1:
+        raise UserError(f"--input-workers and --prefetch must be >= 1, got {args.input_workers} and {args.prefetch}")
     if args.resume and not args.checkpoint_dir:
         raise UserError("--resume needs --checkpoint-dir: where the checkpoints are")
     if budget and train_config.batch_schedule:
@@ -155,6 +158,7 @@ def main(argv=None) -> dict:
         outcome = fit(
             programs, state, train_set, test_set, train_config, progress=not args.quiet and jax.process_index() == 0,
             checkpointer=checkpointer, resume=resume, skip_nonfinite=update_config.skip_nonfinite,
+            augment=augment, input_workers=args.input_workers, prefetch_depth=args.prefetch,
         )  # fmt: skip
     finally:
         if checkpointer is not None:

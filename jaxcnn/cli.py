@@ -94,6 +94,10 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--channels", type=int, default=1, help="channels per pixel in the CSV (pixels are HWC)")
     g.add_argument("--synthetic", metavar="HxWxC", help="random images of this shape instead of the CSVs")
     g.add_argument("--synthetic-size", type=int, default=1024, help="training images in --synthetic mode")
+    g.add_argument("--augment-shift", type=int, default=0, help="random shifts of up to N pixels (host side)")
+    g.add_argument("--augment-flip", action="store_true", help="random horizontal flips (host side)")
+    g.add_argument("--input-workers", type=int, default=2, help="threads preparing batches (default %(default)s)")
+    g.add_argument("--prefetch", type=int, default=2, help="batches prepared ahead of the step (default %(default)s)")
 
 
 def add_mesh_flags(parser: argparse.ArgumentParser) -> None:

@@ -9,9 +9,9 @@ the same source scale identically even if one lacks a fully bright pixel.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import math
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -160,10 +160,51 @@ def epoch_order(size: int, epoch: int, seed: int) -> np.ndarray:
 
 def train_batches(dataset: Dataset, batch_size: int, epoch: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Full batches of one shuffled epoch (the remainder is dropped: one compiled shape)."""
-    order = epoch_order(len(dataset), epoch, seed)
-    for start in range(0, len(order) - batch_size + 1, batch_size):
-        idx = order[start : start + batch_size]
+    for idx in batch_indices(len(dataset), batch_size, epoch, seed):
         yield dataset.images[idx], dataset.labels[idx]
+
+
+def batch_indices(size: int, batch_size: int, epoch: int, seed: int) -> list[np.ndarray]:
+    """The example indices of each full batch of one epoch: batch i can be built on its own
+    (any worker thread, any order) and a resumed run starts at any batch."""
+    order = epoch_order(size, epoch, seed)
+    return [order[start : start + batch_size] for start in range(0, size - batch_size + 1, batch_size)]
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Host-side augmentation of a training batch: random shifts of up to `shift` pixels
+    each way (zero fill) and, with `flip`, random horizontal flips. Batch i of epoch e
+    always gets the same draws (seeded by (seed, e, i)), whatever thread builds it."""
+
+    shift: int = 0
+    flip: bool = False
+
+    def __post_init__(self):
+        if self.shift < 0:
+            raise UserError(f"--augment-shift must be >= 0, got {self.shift}")
+
+    @property
+    def active(self) -> bool:
+        return self.shift > 0 or self.flip
+
+    def __call__(self, images_BHWC: np.ndarray, seed: int, epoch: int, index: int) -> np.ndarray:
+        if not self.active:
+            return images_BHWC
+        rng = np.random.default_rng([seed, epoch, index, 7])
+        b, h, w, _ = images_BHWC.shape
+        out = images_BHWC
+        if self.shift:
+            s = self.shift
+            padded = np.pad(images_BHWC, ((0, 0), (s, s), (s, s), (0, 0)))
+            dy, dx = rng.integers(0, 2 * s + 1, size=(2, b))
+            rows = dy[:, None] + np.arange(h)[None, :]  # [B, H]
+            cols = dx[:, None] + np.arange(w)[None, :]  # [B, W]
+            out = padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
+        if self.flip:
+            flip = rng.random(b) < 0.5
+            out = np.where(flip[:, None, None, None], out[:, :, ::-1], out)
+        return np.ascontiguousarray(out, dtype=images_BHWC.dtype)
 
 
 def eval_batches(dataset: Dataset, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -194,47 +235,42 @@ def to_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 class Prefetcher:
-    """Runs `produce(i)` for i in range(count) on a background thread, `depth` ahead.
+    """Builds `produce(i)` for i in range(count) ahead of the consumer on `workers` threads,
+    at most `depth` batches ahead, and yields them in order.
 
-    Iterating yields the results in order; `wait_seconds` is the time the consumer spent
-    blocked waiting for one -- the input stall that `input_wait_fraction` reports.
+    `wait_seconds` is the time the consumer spent blocked waiting for the next one -- the
+    input stall that `input_wait_fraction` reports. (Threads suffice: numpy's indexing and
+    arithmetic and JAX's host-to-device copies release the GIL.)
     """
 
-    _DONE = object()
-
-    def __init__(self, produce: Callable[[int], object], count: int, depth: int = 2):
+    def __init__(self, produce: Callable[[int], object], count: int, depth: int = 2, workers: int = 1):
+        if depth < 1 or workers < 1:
+            raise UserError(f"--prefetch and --input-workers must be >= 1, got {depth} and {workers}")
         self.wait_seconds = 0.0
-        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(produce, count), daemon=True)
-        self._thread.start()
+        self._produce, self._count, self._depth = produce, count, depth
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxcnn-input")
+        self._pending: collections.deque = collections.deque()
+        self._next = 0
+        self._top_up()
 
-    def _fill(self, produce, count):
-        try:
-            for i in range(count):
-                if self._stop.is_set():
-                    return
-                self._queue.put(produce(i))
-        except BaseException as err:  # surfaced in the consumer's thread
-            self._queue.put(err)
-            return
-        self._queue.put(self._DONE)
+    def _top_up(self):
+        while self._next < self._count and len(self._pending) < self._depth:
+            self._pending.append(self._pool.submit(self._produce, self._next))
+            self._next += 1
 
     def __iter__(self):
-        while True:
+        while self._pending:
+            future = self._pending.popleft()
             start = time.perf_counter()
-            item = self._queue.get()
-            self.wait_seconds += time.perf_counter() - start
-            if item is self._DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
+            try:
+                item = future.result()  # re-raises a worker's error here
+            finally:
+                self.wait_seconds += time.perf_counter() - start
+            self._top_up()
             yield item
 
     def close(self):
-        self._stop.set()
-        while self._thread.is_alive():
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                self._thread.join(timeout=0.01)
+        for future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from jaxcnn.checkpoint import state_fingerprint
 from jaxcnn.compiling import compile_all, cpu_init_options
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig
-from jaxcnn.data import Dataset, Prefetcher, eval_batches, to_global, train_batches
+from jaxcnn.data import Augment, Dataset, Prefetcher, batch_indices, eval_batches, to_global
 from jaxcnn.errors import UserError
 from jaxcnn.models import build_model
 from jaxcnn.optim import make_optimizer, optim_for_batch
@@ -348,6 +348,8 @@ def fit(
     *,
     progress: bool = True,
     prefetch_depth: int = 2,
+    input_workers: int = 2,
+    augment: Augment | None = None,
     checkpointer=None,
     resume: Resume | None = None,
     skip_nonfinite: bool = False,
@@ -416,16 +418,19 @@ def fit(
             continue  # finished before the checkpoint this run resumed from
         batch = config.batch_for_epoch(epoch)
         program = programs[batch]
-        batches = train_batches(train_set, batch, epoch, config.seed)
-        for _ in range(step - first_in_epoch):  # the data position of a resumed epoch
-            next(batches)
+        indices = batch_indices(len(train_set), batch, epoch, config.seed)
+        skip = step - first_in_epoch  # the data position of a resumed epoch
 
-        def produce(_, batches=batches, program=program):
-            images, labels = next(batches)
-            return program.place_batch(images, labels)
+        def produce(i, indices=indices, program=program, epoch=epoch, skip=skip):
+            # on an input worker thread: gather, augment, place with the batch's sharding
+            idx = indices[skip + i]
+            images = train_set.images[idx]
+            if augment is not None:
+                images = augment(images, config.seed, epoch, skip + i)
+            return program.place_batch(images, train_set.labels[idx])
 
         todo = first_in_epoch + count - step
-        loader = Prefetcher(produce, todo, depth=prefetch_depth)
+        loader = Prefetcher(produce, todo, depth=prefetch_depth, workers=input_workers)
         pending = []
         start = time.perf_counter()
         for images, labels in loader:

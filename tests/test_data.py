@@ -127,3 +127,62 @@ def test_prefetcher_keeps_order_counts_waiting_and_reraises():
 
     with pytest.raises(RuntimeError, match="boom"):
         list(Prefetcher(broken, count=5))
+
+
+def test_prefetcher_workers_keep_order_and_count_the_wait():
+    import time as _time
+
+    def slow(i):
+        _time.sleep(0.02 * (5 - i))  # later items finish first on 4 threads
+        return i
+
+    loader = Prefetcher(slow, count=5, depth=4, workers=4)
+    assert list(loader) == [0, 1, 2, 3, 4]
+    assert loader.wait_seconds >= 0.05  # the consumer really waited for item 0
+    loader.close()
+
+
+def test_augmentation_shifts_and_flips_deterministically():
+    from jaxcnn.data import Augment
+
+    images = np.arange(2 * 6 * 6, dtype=np.float32).reshape(2, 6, 6, 1) + 1
+    assert Augment()(images, 0, 0, 0) is images  # off: untouched
+    shifted = Augment(shift=2)(images, 0, 0, 0)
+    assert shifted.shape == images.shape and not np.array_equal(shifted, images)
+    np.testing.assert_array_equal(shifted, Augment(shift=2)(images, 0, 0, 0))  # same batch, same draws
+    assert not np.array_equal(shifted, Augment(shift=2)(images, 0, 0, 1))  # the next batch, new draws
+    for original, moved in zip(images[..., 0], shifted[..., 0], strict=True):
+        # a translation: every kept pixel is an original one, the rest is zero fill
+        kept = moved[moved > 0]
+        assert set(kept.tolist()) <= set(original.ravel().tolist()) and len(kept) >= 4 * 4
+    flipped = Augment(flip=True)(images, 0, 0, 0)
+    for original, out in zip(images, flipped, strict=True):
+        assert np.array_equal(out, original) or np.array_equal(out, original[:, ::-1])
+    with pytest.raises(UserError, match="--augment-shift must be >= 0"):
+        Augment(shift=-1)
+
+
+def test_a_slow_loader_shows_as_input_wait_and_an_input_bound_verdict():
+    from conftest import TINY_PLAIN, bundled_digits, compiled_program
+
+    from jaxcnn.config import TrainConfig
+    from jaxcnn.scaling import verdict
+    from jaxcnn.sharding import get_layout
+    from jaxcnn.train import fit
+
+    class SlowLoader:  # stands in for an expensive decode / augmentation step
+        def __call__(self, images, seed, epoch, index):
+            import time as _time
+
+            _time.sleep(0.05)
+            return images
+
+    program = compiled_program(get_layout("dp"), {"data": 8}, TINY_PLAIN, 10)
+    config = TrainConfig(batch_size=32, epochs=1, max_steps=10)
+    fast = fit(program, program.init(), bundled_digits(), None, config, progress=False)
+    slow = fit(program, program.init(), bundled_digits(), None, config, progress=False, augment=SlowLoader(),
+               input_workers=1, prefetch_depth=1)  # fmt: skip
+    assert slow.input_wait_fraction > 0.5 > fast.input_wait_fraction
+    rows = [{"num_devices": 8, "speedup": 1.0, "input_wait_fraction": slow.input_wait_fraction}]
+    assert verdict(rows).startswith("input-bound")
+    np.testing.assert_allclose(slow.loss_history, fast.loss_history)  # the same batches, only later

@@ -1,0 +1,171 @@
+"""Benchmark one train step: median time over warm steps, images/s, compile time, FLOPs and MFU.
+
+python experiments/bench.py                                 # default config and 224x224x3, every variant
+python experiments/bench.py --configs 224 --dtype bfloat16 --steps 5
+
+For each config (`default`: the default model on 8x8x1 digits-shaped images, batch 64;
+`224`: 224x224x3, batch 8) three variants of the same training step on one device:
+`jaxcnn-single` (the `single` layout), `jaxcnn-dp1` (the `dp` layout on data=1: what the
+sharding machinery costs) and `plain-jit` (a plain Flax NNX + optax step under `jax.jit`,
+no shardings, as a user would write it). FLOPs per step come from XLA's `cost_analysis`;
+MFU divides achieved FLOP/s by a peak measured in the same run (the best of repeated
+large matmuls in the same dtype), so it is honest about this machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxcnn import cli, results
+from jaxcnn.config import DTYPES, ModelConfig, OptimConfig
+from jaxcnn.errors import UserError
+from jaxcnn.measure import time_steps
+from jaxcnn.models import build_model, cross_entropy
+from jaxcnn.sharding import build_mesh, get_layout
+from jaxcnn.sharding.mesh import simulate_cpu_devices
+from jaxcnn.train import build_program
+
+PROG = "bench.py"
+CONFIGS = {"default": ((8, 8, 1), 64), "224": ((224, 224, 3), 8)}
+COLUMNS = [
+    "config", "variant", "image_shape", "global_batch_size", "dtype", "median_step_seconds", "images_per_second",
+    "compile_seconds", "flops_per_step", "achieved_flops_per_second", "peak_flops_per_second", "mfu", "steps",
+    "platform", "device_kind",
+]  # fmt: skip
+
+
+def parse_flags(argv=None):
+    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="default,224", help=f"some of {', '.join(CONFIGS)}")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--steps", type=int, default=10, help="warm steps timed per variant (default %(default)s)")
+    parser.add_argument("--batch-224", type=int, default=CONFIGS["224"][1], help="batch of the 224 config")
+    parser.add_argument("--out", default="results/bench.csv")
+    return parser.parse_args(argv)
+
+
+def peak_flops(dtype: str, n: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n x n matmul on the first device (the same dtype as the step)."""
+    a = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(matmul(a))
+    best = min(_seconds(lambda: matmul(a)) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _seconds(run) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    return time.perf_counter() - start
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
+
+
+def plain_jit_step(config: ModelConfig, image_shape, batch: int, images, labels, steps: int):
+    """The same model and optimizer as a user would write them: nnx + optax + jax.jit."""
+    tx = optax.adam(1e-3)
+    graphdef, params, rest = nnx.split(build_model(config, image_shape, 0), nnx.Param, ...)
+    opt_state = tx.init(params)
+
+    def step(params, rest, opt_state, x, y):
+        def loss_fn(p):
+            model = nnx.merge(graphdef, p, rest, copy=True)
+            logits = model(x, train=True)
+            return cross_entropy(logits, y).mean(), nnx.state(model, nnx.Not(nnx.Param))
+
+        (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), rest, opt_state, loss
+
+    start = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, rest, opt_state, images, labels).compile()
+    compile_seconds = time.perf_counter() - start
+    x, y = jnp.asarray(images), jnp.asarray(labels)
+    params, rest, opt_state, loss = compiled(params, rest, opt_state, x, y)
+    jax.block_until_ready(loss)
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        params, rest, opt_state, loss = compiled(params, rest, opt_state, x, y)
+        jax.block_until_ready(loss)
+        seconds.append(time.perf_counter() - start)
+    return seconds, compile_seconds, _flops(compiled)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_flags(argv)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown or not names:
+        raise UserError(f"unknown --configs {', '.join(unknown) or '(none)'}; use some of {', '.join(CONFIGS)}")
+    if args.steps < 1 or args.batch_224 < 1:
+        raise UserError("--steps and --batch-224 must be positive integers")
+    out = Path(args.out)
+    results.ensure_writable_dir(out.parent)
+    simulate_cpu_devices(1, at_least=True)
+    device = jax.devices()[0]
+    peak = peak_flops(args.dtype)
+    print(f"peak {peak / 1e9:.1f} GFLOP/s ({args.dtype} matmul on {device.device_kind})")
+    rows = []
+    for name in names:
+        image_shape, batch = CONFIGS[name]
+        batch = args.batch_224 if name == "224" else batch
+        config = ModelConfig(dtype=args.dtype)
+        rng = np.random.default_rng(0)
+        images = rng.random((batch, *image_shape), dtype=np.float32)
+        labels = rng.integers(0, config.num_classes, batch).astype(np.int32)
+        variants = {}
+        for variant, layout in (("jaxcnn-single", "single"), ("jaxcnn-dp1", "dp")):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = build_program(
+                    config, OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=0),
+                    get_layout(layout), build_mesh({"data": 1}, [device]), image_shape, batch, 1000, with_eval=False,
+                )  # fmt: skip
+            seconds, _ = time_steps(program, program.init(), images, labels, args.steps)
+            variants[variant] = (seconds, program.compile_seconds, _flops(program.train_step))
+        variants["plain-jit"] = plain_jit_step(config, image_shape, batch, images, labels, args.steps)
+        for variant, (seconds, compile_seconds, flops) in variants.items():
+            median = statistics.median(seconds)
+            rows.append(
+                {
+                    "config": name,
+                    "variant": variant,
+                    "image_shape": "x".join(map(str, image_shape)),
+                    "global_batch_size": batch,
+                    "dtype": args.dtype,
+                    "median_step_seconds": median,
+                    "images_per_second": batch / median,
+                    "compile_seconds": compile_seconds,
+                    "flops_per_step": flops,
+                    "achieved_flops_per_second": flops / median,
+                    "peak_flops_per_second": peak,
+                    "mfu": flops / median / peak,
+                    "steps": args.steps,
+                    "platform": device.platform,
+                    "device_kind": device.device_kind,
+                }
+            )
+            r = rows[-1]
+            print(f"{name:<8} {variant:<14} {r['images_per_second']:10,.1f} images/s  step {median * 1e3:8.2f} ms  "
+                  f"compile {compile_seconds:5.2f} s  {flops / 1e9:8.3f} GFLOP  MFU {r['mfu']:6.1%}")  # fmt: skip
+    results.write_csv(out, rows, COLUMNS)
+    print("wrote", out)
+    return rows
+
+
+if __name__ == "__main__":
+    cli.run_main(PROG, main)

@@ -1,0 +1,229 @@
+"""The same CNN in jaxcnn and in PyTorch (eager), side by side on this machine.
+
+python experiments/compare_backends.py                   # 28x28x1 batch 128 and 224x224x3 batch 8
+python experiments/compare_backends.py --sizes 28 --steps 20 --no-ddp
+
+Needs PyTorch (`pip install torch==2.13.0`, a CPU build). Both run the same architecture
+(the default model: 3 conv blocks with batch norm, dense 256 -> 128 -> 10), the same
+initial weights (copied from the jaxcnn model), the same batch and Adam (lr 1e-3,
+constant). First it checks that the two compute the same thing -- logits and loss of one
+training-mode forward from the same weights on the same batch -- then times the median of
+warm steps: jaxcnn's `single` layout against torch eager on one process, and jaxcnn `dp` on
+2 devices against torch DistributedDataParallel over 2 local processes (gloo). Rows share
+one schema; `ratio_vs_torch` is jaxcnn's images/s over torch's, from this one run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxcnn import cli, results
+from jaxcnn.config import ModelConfig, OptimConfig
+from jaxcnn.errors import UserError
+from jaxcnn.measure import time_steps
+from jaxcnn.models import build_model, cross_entropy
+from jaxcnn.sharding import build_mesh, get_layout
+from jaxcnn.sharding.mesh import simulate_cpu_devices
+from jaxcnn.train import build_program
+
+PROG = "compare_backends.py"
+SIZES = {"28": ((28, 28, 1), 128), "224": ((224, 224, 3), 8)}
+COLUMNS = [
+    "backend", "variant", "image_shape", "global_batch_size", "workers", "median_step_seconds", "images_per_second",
+    "ratio_vs_torch", "max_logit_diff", "loss_diff", "steps", "torch_threads",
+]  # fmt: skip
+
+
+def parse_flags(argv=None):
+    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="28,224", help=f"some of {', '.join(SIZES)}")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--no-ddp", action="store_true", help="skip the 2-process rows")
+    parser.add_argument("--out", default="results/compare_backends.csv")
+    return parser.parse_args(argv)
+
+
+# --- the torch twin -------------------------------------------------------------------------
+
+
+def torch_model(jax_model, config: ModelConfig):
+    """The jaxcnn CNN in torch, holding the jax model's weights (NCHW inside, NHWC in)."""
+    import torch
+    from torch import nn
+
+    class TorchCNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            blocks = []
+            for block in jax_model.blocks:
+                kernel = np.asarray(block.conv.kernel.get_value())  # (kh, kw, cin, cout)
+                conv = nn.Conv2d(kernel.shape[2], kernel.shape[3], 3, padding=1, bias=False)
+                conv.weight.data.copy_(torch.from_numpy(kernel.transpose(3, 2, 0, 1).copy()))
+                norm = nn.BatchNorm2d(kernel.shape[3], eps=block.norm.epsilon, momentum=1 - block.norm.momentum)
+                norm.weight.data.copy_(torch.from_numpy(np.asarray(block.norm.scale.get_value()).copy()))
+                norm.bias.data.copy_(torch.from_numpy(np.asarray(block.norm.bias.get_value()).copy()))
+                # MaxPool ceil_mode: an odd side keeps its last row, as SAME pooling does
+                blocks += [conv, norm, nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True)]
+            self.blocks = nn.Sequential(*blocks)
+            self.dense = nn.ModuleList()
+            for layer in jax_model.dense:
+                kernel = np.asarray(layer.kernel.get_value())
+                linear = nn.Linear(*kernel.shape)
+                linear.weight.data.copy_(torch.from_numpy(kernel.T.copy()))
+                linear.bias.data.copy_(torch.from_numpy(np.asarray(layer.bias.get_value()).copy()))
+                self.dense.append(linear)
+
+        def forward(self, x_nhwc):
+            x = self.blocks(x_nhwc.permute(0, 3, 1, 2))
+            x = x.permute(0, 2, 3, 1).flatten(1)  # flatten in jax's (H, W, C) order
+            for layer in self.dense[:-1]:
+                x = torch.relu(layer(x))
+            return self.dense[-1](x)
+
+    if config.norm != "batch" or config.dropout:
+        raise UserError("the torch twin is written for the default model (batch norm, no dropout)")
+    return TorchCNN()
+
+
+def torch_step_seconds(model, images, labels, steps: int) -> list[float]:
+    import torch
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
+    model.train()
+    seconds = []
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if i:  # the first step is warm-up
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _ddp_worker(rank, world, port, images, labels, steps, weights, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = weights()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    share = len(images) // world
+    seconds = torch_step_seconds(
+        ddp, images[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share], steps
+    )
+    if rank == 0:
+        queue.put(seconds)
+    dist.destroy_process_group()
+
+
+def torch_ddp_seconds(make_model, images, labels, steps: int, world: int = 2) -> list[float]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")  # the workers inherit the weights; nothing to pickle
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_ddp_worker, args=(r, world, port, images, labels, steps, make_model, queue))
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    seconds = queue.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    return seconds
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_flags(argv)
+    try:
+        import torch
+    except ImportError:
+        raise UserError("PyTorch is not installed; pip install torch==2.13.0 (a CPU build) and run again") from None
+    names = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if not names or any(n not in SIZES for n in names):
+        raise UserError(f"--sizes must be some of {', '.join(SIZES)}")
+    out = Path(args.out)
+    results.ensure_writable_dir(out.parent)
+    simulate_cpu_devices(2, at_least=True)
+    config = ModelConfig()
+    rows = []
+    for name in names:
+        image_shape, batch = SIZES[name]
+        rng = np.random.default_rng(0)
+        images = rng.random((batch, *image_shape), dtype=np.float32)
+        labels = rng.integers(0, config.num_classes, batch).astype(np.int32)
+        jax_model = build_model(config, image_shape, 0)
+        twin = torch_model(jax_model, config)
+
+        # the same thing computed? logits and loss of one training-mode forward
+        jax_logits = np.asarray(jax_model(jax.numpy.asarray(images), train=True))
+        jax_loss = float(cross_entropy(jax_logits, labels).mean())
+        twin.train()
+        with torch.no_grad():
+            torch_logits = twin(torch.from_numpy(images)).numpy()
+        torch_loss = float(
+            torch.nn.functional.cross_entropy(torch.from_numpy(torch_logits), torch.from_numpy(labels.astype(np.int64)))
+        )
+        logit_diff, loss_diff = float(np.max(np.abs(jax_logits - torch_logits))), abs(jax_loss - torch_loss)
+        print(f"{name}: same weights, same batch: max |logit diff| {logit_diff:.2e}, |loss diff| {loss_diff:.2e}")
+        if loss_diff > 1e-5 * max(1.0, abs(jax_loss)):
+            raise UserError(f"jaxcnn and torch disagree on the loss ({jax_loss} vs {torch_loss}): not comparable")
+
+        timings = {}
+        for variant, layout, mesh in (("single", "single", {"data": 1}), ("dp2", "dp", {"data": 2})):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = build_program(
+                    config, OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=0),
+                    get_layout(layout), build_mesh(mesh), image_shape, batch, 1000, with_eval=False,
+                )  # fmt: skip
+            timings[("jaxcnn", variant)] = time_steps(program, program.init(), images, labels, args.steps)[0]
+            if variant == "dp2" and args.no_ddp:
+                break
+        timings[("torch", "single")] = torch_step_seconds(torch_model(jax_model, config), images, labels, args.steps)
+        if not args.no_ddp:
+            timings[("torch", "dp2")] = torch_ddp_seconds(
+                lambda jm=jax_model: torch_model(jm, config), images, labels, args.steps
+            )
+        for (backend, variant), seconds in timings.items():
+            median = statistics.median(seconds)
+            rows.append({
+                "backend": backend, "variant": variant,
+                "image_shape": "x".join(map(str, image_shape)), "global_batch_size": batch,
+                "workers": 2 if variant == "dp2" else 1, "median_step_seconds": median,
+                "images_per_second": batch / median, "ratio_vs_torch": None, "max_logit_diff": logit_diff,
+                "loss_diff": loss_diff, "steps": args.steps, "torch_threads": torch.get_num_threads(),
+            })  # fmt: skip
+        for row in rows[-len(timings) :]:
+            torch_row = next(
+                (r for r in rows[-len(timings) :] if r["backend"] == "torch" and r["variant"] == row["variant"]), None
+            )
+            if torch_row:
+                row["ratio_vs_torch"] = row["images_per_second"] / torch_row["images_per_second"]
+            print(f"{name:<4} {row['backend']:<7} {row['variant']:<7} {row['images_per_second']:10,.1f} images/s  "
+                  f"step {row['median_step_seconds'] * 1e3:8.2f} ms  jaxcnn/torch {row['ratio_vs_torch'] or 0:5.2f}")  # fmt: skip
+    results.write_csv(out, rows, COLUMNS)
+    print("wrote", out)
+    return rows
+
+
+if __name__ == "__main__":
+    cli.run_main(PROG, main)
