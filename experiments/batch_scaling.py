@@ -11,18 +11,14 @@ rate, steps, final training loss, test accuracy.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
-
-import jax
 
 from jaxcnn import cli, plots, results
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import load_csv
 from jaxcnn.errors import UserError
 from jaxcnn.optim import optim_for_batch
-from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
-from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
+from jaxcnn.sharding import build_mesh, format_mesh
 from jaxcnn.train import build_programs, fit
 
 PROG = "batch_scaling.py"
@@ -66,15 +62,8 @@ def main(argv=None) -> list[dict]:
     test_set = load_csv(args.test_data, num_classes=model_config.num_classes)
     if test_set.labels is None:
         raise UserError(f"{args.test_data} has no labels; give a labelled --test-data to measure accuracy")
-    layout = get_layout(args.layout)
-    mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
-    for note in check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes):
-        warnings.warn(note, stacklevel=1)
     out, plot = Path(args.out), Path(args.plot)
-    for path in (out, plot):
-        results.ensure_writable_dir(path.parent)
-    simulate_cpu_devices(max(abs(v) for v in mesh_shape.values()), at_least=True)
-    mesh_shape = resolve_mesh(mesh_shape, len(jax.devices()))
+    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh, [out, plot])
     mesh = build_mesh(mesh_shape)
 
     rows, runs = [], [(b, rule) for b in args.batches for rule in ("none", "linear")]

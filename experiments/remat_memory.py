@@ -12,18 +12,14 @@ kept for the backward pass + scratch, from `memory_analysis`), peak bytes, FLOPs
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
-
-import jax
 
 from jaxcnn import cli, plots, results
 from jaxcnn.config import REMAT_POLICIES
 from jaxcnn.data import parse_image_shape
 from jaxcnn.errors import UserError
 from jaxcnn.measure import measure_layout
-from jaxcnn.sharding import format_mesh, get_layout, parse_mesh, resolve_mesh
-from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
+from jaxcnn.sharding import format_mesh
 
 PROG = "remat_memory.py"
 COLUMNS = [
@@ -55,15 +51,8 @@ def main(argv=None) -> list[dict]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     configs = [dataclasses.replace(base, remat=p) for p in policies]  # bad names fail here, before compiling
     image_shape = parse_image_shape(args.synthetic)
-    layout = get_layout(args.layout)
-    mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
-    for note in check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes):
-        warnings.warn(note, stacklevel=1)
     out, plot = Path(args.out), Path(args.plot)
-    for path in (out, plot):
-        results.ensure_writable_dir(path.parent)
-    simulate_cpu_devices(max(abs(v) for v in mesh_shape.values()), at_least=True)
-    mesh_shape = resolve_mesh(mesh_shape, len(jax.devices()))
+    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh, [out, plot])
 
     rows = []
     for i, config in enumerate(configs, 1):

@@ -13,17 +13,13 @@ Writes the summary CSV, the per-step loss curves (<out>_curves.csv) and a PNG.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
-
-import jax
 
 from jaxcnn import cli, plots, results
 from jaxcnn.config import OptimConfig, TrainConfig, UpdateConfig
 from jaxcnn.data import load_csv
-from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
+from jaxcnn.sharding import build_mesh, format_mesh
 from jaxcnn.sharding.inspect import collectives
-from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
 from jaxcnn.train import build_program, fit, total_steps
 
 PROG = "sync_vs_async.py"
@@ -68,16 +64,9 @@ def main(argv=None) -> list[dict]:
     train_config = TrainConfig(batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
     train_set = load_csv(args.data, num_classes=model_config.num_classes)
     test_set = load_csv(args.test_data, num_classes=model_config.num_classes, need_labels=False)
-    layout = get_layout(args.layout)
-    mesh_shape = parse_mesh(args.mesh)
-    for note in check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes):
-        warnings.warn(note, stacklevel=1)
     out, plot = Path(args.out), Path(args.plot)
     curves_path = out.with_name(out.stem + "_curves.csv")
-    for path in (out, plot):
-        results.ensure_writable_dir(path.parent)
-    simulate_cpu_devices(max(abs(v) for v in mesh_shape.values()), at_least=True)
-    mesh_shape = resolve_mesh(mesh_shape, len(jax.devices()))
+    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh, [out, plot])
     mesh = build_mesh(mesh_shape)
     steps = total_steps(len(train_set), train_config)
 

@@ -11,6 +11,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from jaxcnn.config import (
     DEFAULT_MODEL,
@@ -189,6 +190,26 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip a step whose loss is NaN/inf instead of stopping the run (default: stop, naming the step)",
     )
+
+
+def experiment_mesh(layout_name: str, mesh_text: str | None, outputs: list) -> tuple:
+    """The set-up the experiment scripts share: the layout, its mesh (checked against it;
+    default: the layout's), writable directories for `outputs`, the devices simulated on
+    a CPU machine, the mesh's -1 resolved. Bad input fails here, before any compile."""
+    import jax
+
+    from jaxcnn.results import ensure_writable_dir
+    from jaxcnn.sharding import get_layout, parse_mesh, resolve_mesh
+    from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
+
+    layout = get_layout(layout_name)
+    mesh_shape = parse_mesh(mesh_text or layout.default_mesh)
+    for note in check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes):
+        warnings.warn(note, stacklevel=2)
+    for path in outputs:
+        ensure_writable_dir(Path(path).parent)
+    simulate_cpu_devices(max(abs(v) for v in mesh_shape.values()), at_least=True)
+    return layout, resolve_mesh(mesh_shape, len(jax.devices()))
 
 
 def model_from_flags(args) -> ModelConfig:

@@ -92,9 +92,6 @@ class Program:
         return self.update_plan.config.sync_every if self.average_step is not None else 0
 
 
-_split = split_model
-
-
 def build_program(
     model_config: ModelConfig,
     optim_config: OptimConfig,
@@ -120,7 +117,7 @@ def build_program(
     replicas = plan.groups if update.local else 0
 
     def init() -> TrainState:
-        _, params, model_state = _split(build_model(model_config, image_shape, seed))
+        _, params, model_state = split_model(build_model(model_config, image_shape, seed))
         rng = jax.random.key_data(jax.random.key(seed + 1))
         opt_state = tx.init(params)
         if replicas:  # local SGD: every replica starts from the same parameters
@@ -128,7 +125,7 @@ def build_program(
         history = (params,) * update.staleness
         return TrainState(jnp.zeros((), jnp.int32), params, model_state, opt_state, rng, history)
 
-    graphdef, abstract_params, abstract_stats = _split(
+    graphdef, abstract_params, abstract_stats = split_model(
         nnx.eval_shape(lambda: build_model(model_config, image_shape, seed))
     )
     abstract = jax.eval_shape(init)
@@ -256,7 +253,7 @@ def plan_placements(
     model_config: ModelConfig, layout: Layout, mesh: Mesh, image_shape: tuple[int, int, int]
 ) -> list[ParamPlacement]:
     """Where every parameter and statistic of the model would go, without compiling."""
-    _, params, model_state = _split(nnx.eval_shape(lambda: build_model(model_config, image_shape, 0)))
+    _, params, model_state = split_model(nnx.eval_shape(lambda: build_model(model_config, image_shape, 0)))
     return place_variables(params, layout, mesh)[1] + place_variables(model_state, layout, mesh)[1]
 
 
