@@ -7,9 +7,11 @@ For each config (`default`: the default model on 8x8x1 digits-shaped images, bat
 `224`: 224x224x3, batch 8) three variants of the same training step on one device:
 `jaxcnn-single` (the `single` layout), `jaxcnn-dp1` (the `dp` layout on data=1: what the
 sharding machinery costs) and `plain-jit` (a plain Flax NNX + optax step under `jax.jit`,
-no shardings, as a user would write it). FLOPs per step come from XLA's `cost_analysis`;
-MFU divides achieved FLOP/s by a peak measured in the same run (the best of repeated
-large matmuls in the same dtype), so it is honest about this machine.
+no shardings, as a user would write it; on CPU also `plain-jit-cpu-options`, the same step
+compiled with jaxcnn's XLA:CPU options, the like-for-like baseline). Timed steps are
+split into --rounds rounds that alternate between variants. FLOPs per step come from
+XLA's `cost_analysis`; MFU divides achieved FLOP/s by a peak measured in the same run
+(the best of repeated large matmuls in the same dtype), so it is honest about this machine.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import optax
 from flax import nnx
 
 from jaxcnn import cli, results
+from jaxcnn.compiling import CPU_STEP_OPTIONS
 from jaxcnn.config import DTYPES, ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
 from jaxcnn.measure import time_steps
@@ -47,7 +50,8 @@ def parse_flags(argv=None):
     parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="default,224", help=f"some of {', '.join(CONFIGS)}")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--steps", type=int, default=10, help="warm steps timed per variant (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=20, help="warm steps timed per variant (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the steps are split into")
     parser.add_argument("--batch-224", type=int, default=CONFIGS["224"][1], help="batch of the 224 config")
     parser.add_argument("--out", default="results/bench.csv")
     return parser.parse_args(argv)
@@ -74,8 +78,10 @@ def _flops(compiled) -> float:
     return float(cost.get("flops", 0.0))
 
 
-def plain_jit_step(config: ModelConfig, image_shape, batch: int, images, labels, steps: int):
-    """The same model and optimizer as a user would write them: nnx + optax + jax.jit."""
+def plain_jit_stepper(config: ModelConfig, image_shape, images, labels, options: dict | None = None):
+    """The same model and optimizer as a user would write them: nnx + optax + jax.jit
+    (compiled with XLA's defaults, or `options`). Returns (steps(n) -> seconds, compile
+    seconds, FLOPs per step)."""
     tx = optax.adam(1e-3)
     graphdef, params, rest = nnx.split(build_model(config, image_shape, 0), nnx.Param, ...)
     opt_state = tx.init(params)
@@ -91,18 +97,39 @@ def plain_jit_step(config: ModelConfig, image_shape, batch: int, images, labels,
         return optax.apply_updates(params, updates), rest, opt_state, loss
 
     start = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, rest, opt_state, images, labels).compile()
+    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, rest, opt_state, images, labels).compile(options)
     compile_seconds = time.perf_counter() - start
     x, y = jnp.asarray(images), jnp.asarray(labels)
-    params, rest, opt_state, loss = compiled(params, rest, opt_state, x, y)
+    *state, loss = compiled(params, rest, opt_state, x, y)  # warm-up; the state is donated: keep the new one
     jax.block_until_ready(loss)
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        params, rest, opt_state, loss = compiled(params, rest, opt_state, x, y)
-        jax.block_until_ready(loss)
-        seconds.append(time.perf_counter() - start)
-    return seconds, compile_seconds, _flops(compiled)
+
+    def steps(n: int) -> list[float]:
+        seconds = []
+        for _ in range(n):
+            start = time.perf_counter()
+            *new_state, loss = compiled(*state, x, y)
+            jax.block_until_ready(loss)
+            seconds.append(time.perf_counter() - start)
+            state[:] = new_state
+        return seconds
+
+    return steps, compile_seconds, _flops(compiled)
+
+
+def jaxcnn_stepper(config, layout: str, device, image_shape, batch, images, labels):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = build_program(
+            config, OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=0),
+            get_layout(layout), build_mesh({"data": 1}, [device]), image_shape, batch, 1000, with_eval=False,
+        )  # fmt: skip
+    state = [program.init()]
+
+    def steps(n: int) -> list[float]:
+        seconds, state[0] = time_steps(program, state[0], images, labels, n)
+        return seconds
+
+    return steps, program.compile_seconds, _flops(program.train_step)
 
 
 def main(argv=None) -> list[dict]:
@@ -111,8 +138,8 @@ def main(argv=None) -> list[dict]:
     unknown = [c for c in names if c not in CONFIGS]
     if unknown or not names:
         raise UserError(f"unknown --configs {', '.join(unknown) or '(none)'}; use some of {', '.join(CONFIGS)}")
-    if args.steps < 1 or args.batch_224 < 1:
-        raise UserError("--steps and --batch-224 must be positive integers")
+    if min(args.steps, args.rounds, args.batch_224) < 1:
+        raise UserError("--steps, --rounds and --batch-224 must be positive integers")
     out = Path(args.out)
     results.ensure_writable_dir(out.parent)
     simulate_cpu_devices(1, at_least=True)
@@ -127,18 +154,20 @@ def main(argv=None) -> list[dict]:
         rng = np.random.default_rng(0)
         images = rng.random((batch, *image_shape), dtype=np.float32)
         labels = rng.integers(0, config.num_classes, batch).astype(np.int32)
-        variants = {}
-        for variant, layout in (("jaxcnn-single", "single"), ("jaxcnn-dp1", "dp")):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                program = build_program(
-                    config, OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=0),
-                    get_layout(layout), build_mesh({"data": 1}, [device]), image_shape, batch, 1000, with_eval=False,
-                )  # fmt: skip
-            seconds, _ = time_steps(program, program.init(), images, labels, args.steps)
-            variants[variant] = (seconds, program.compile_seconds, _flops(program.train_step))
-        variants["plain-jit"] = plain_jit_step(config, image_shape, batch, images, labels, args.steps)
-        for variant, (seconds, compile_seconds, flops) in variants.items():
+        variants = {
+            "jaxcnn-single": jaxcnn_stepper(config, "single", device, image_shape, batch, images, labels),
+            "jaxcnn-dp1": jaxcnn_stepper(config, "dp", device, image_shape, batch, images, labels),
+            "plain-jit": plain_jit_stepper(config, image_shape, images, labels),
+        }
+        if device.platform == "cpu":  # the same plain step with jaxcnn's XLA:CPU options: a like-for-like baseline
+            variants["plain-jit-cpu-options"] = plain_jit_stepper(config, image_shape, images, labels, CPU_STEP_OPTIONS)
+        timed = {variant: [] for variant in variants}
+        per_round = -(-args.steps // args.rounds)
+        for _ in range(args.rounds):  # interleaved, so a drift in the machine's speed hits all variants alike
+            for variant, (steps, _, _) in variants.items():
+                timed[variant] += steps(per_round)
+        for variant, (_, compile_seconds, flops) in variants.items():
+            seconds = timed[variant]
             median = statistics.median(seconds)
             rows.append(
                 {
@@ -154,7 +183,7 @@ def main(argv=None) -> list[dict]:
                     "achieved_flops_per_second": flops / median,
                     "peak_flops_per_second": peak,
                     "mfu": flops / median / peak,
-                    "steps": args.steps,
+                    "steps": len(seconds),
                     "platform": device.platform,
                     "device_kind": device.device_kind,
                 }

@@ -9,13 +9,20 @@ initial weights (copied from the jaxcnn model), the same batch and Adam (lr 1e-3
 constant). First it checks that the two compute the same thing -- logits and loss of one
 training-mode forward from the same weights on the same batch -- then times the median of
 warm steps: jaxcnn's `single` layout against torch eager on one process, and jaxcnn `dp` on
-2 devices against torch DistributedDataParallel over 2 local processes (gloo). Rows share
-one schema; `ratio_vs_torch` is jaxcnn's images/s over torch's, from this one run.
+2 devices against torch DistributedDataParallel over 2 local processes (gloo).
+
+Torch runs in spawned worker processes kept alive for the whole run, and the timed rounds
+alternate between backends, so both see the same machine. Torch gets glibc's default
+malloc, as torch users run it, and once more with the settings jaxcnn applies to its own
+process (`jaxcnn.host_memory`, `host_malloc=keep-freed`), which speed torch up too. Rows
+share one schema; `ratio_vs_torch` is a row's images/s over torch's with the default malloc
+(same variant), from this one run.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import time
 import warnings
@@ -24,7 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxcnn import cli, results
+from jaxcnn import cli, host_memory, results
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
 from jaxcnn.measure import time_steps
@@ -34,9 +41,10 @@ from jaxcnn.sharding.mesh import simulate_cpu_devices
 from jaxcnn.train import build_program
 
 PROG = "compare_backends.py"
+KEEP, DEFAULT = "keep-freed", "glibc-default"  # host malloc: jaxcnn.host_memory's settings, or glibc's
 SIZES = {"28": ((28, 28, 1), 128), "224": ((224, 224, 3), 8)}
 COLUMNS = [
-    "backend", "variant", "image_shape", "global_batch_size", "workers", "median_step_seconds", "images_per_second",
+    "backend", "variant", "host_malloc", "image_shape", "global_batch_size", "workers", "median_step_seconds", "images_per_second",
     "ratio_vs_torch", "max_logit_diff", "loss_diff", "steps", "torch_threads",
 ]  # fmt: skip
 
@@ -44,7 +52,8 @@ COLUMNS = [
 def parse_flags(argv=None):
     parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="28,224", help=f"some of {', '.join(SIZES)}")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20, help="warm steps timed per row (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the steps are split into")
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-process rows")
     parser.add_argument("--out", default="results/compare_backends.csv")
     return parser.parse_args(argv)
@@ -92,10 +101,11 @@ def torch_model(jax_model, config: ModelConfig):
     return TorchCNN()
 
 
-def torch_step_seconds(model, images, labels, steps: int) -> list[float]:
+def torch_step_seconds(model, images, labels, steps: int, optimizer=None) -> list[float]:
+    """Seconds of each of `steps` warm Adam steps on one fixed batch (one warm-up first)."""
     import torch
 
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
     model.train()
     seconds = []
@@ -110,45 +120,113 @@ def torch_step_seconds(model, images, labels, steps: int) -> list[float]:
     return seconds
 
 
-def _ddp_worker(rank, world, port, images, labels, steps, weights, queue):
+def _torch_worker(rank, world, port, image_shape, images, labels, commands, replies):
+    """One torch process: builds the twin from the same seed, then times steps on request.
+    A fresh (spawned) interpreter with glibc's default malloc, as torch users run it,
+    unless the parent asked for jaxcnn's settings (JAXCNN_KEEP_HOST_MEMORY)."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = weights()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    share = len(images) // world
-    seconds = torch_step_seconds(
-        ddp, images[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share], steps
-    )
-    if rank == 0:
-        queue.put(seconds)
-    dist.destroy_process_group()
+    config = ModelConfig()
+    model = torch_model(build_model(config, image_shape, 0), config)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        share = len(images) // world
+        images, labels = images[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    torch_step_seconds(model, images, labels, 1, optimizer)  # warm-up outside the timed rounds
+    replies.put((rank, []))
+    while (steps := commands.get()) is not None:
+        replies.put((rank, torch_step_seconds(model, images, labels, steps, optimizer)))
+    if world > 1:
+        dist.destroy_process_group()
 
 
-def torch_ddp_seconds(make_model, images, labels, steps: int, world: int = 2) -> list[float]:
-    import socket
+class TorchWorkers:
+    """`world` spawned torch processes (world > 1: DistributedDataParallel over gloo), kept
+    alive so that their timed rounds interleave with jaxcnn's: both see the same machine.
+    Between rounds they are stopped (SIGSTOP): idle OpenMP and gloo threads spin, and would
+    otherwise take cores from whoever is timed. `steps(n)` times n warm steps on every
+    process and returns rank 0's seconds."""
 
-    import torch.multiprocessing as mp
+    def __init__(self, image_shape, images, labels, world: int = 1, keep_host_memory: bool = False):
+        import socket
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")  # the workers inherit the weights; nothing to pickle
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, world, port, images, labels, steps, make_model, queue))
-             for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    seconds = queue.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
-    return seconds
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")  # not fork: this process has started JAX's threads
+        self.commands = [ctx.Queue() for _ in range(world)]
+        self.replies = ctx.Queue()
+        previous = os.environ.get(host_memory.OPT_OUT)
+        os.environ[host_memory.OPT_OUT] = "1" if keep_host_memory else "0"  # the children's malloc
+        try:
+            self.procs = [
+                ctx.Process(
+                    target=_torch_worker,
+                    args=(rank, world, port, image_shape, images, labels, self.commands[rank], self.replies),
+                )
+                for rank in range(world)
+            ]
+            for proc in self.procs:
+                proc.start()
+            self._replies()  # every process built and warmed up
+            self._signal(signal.SIGSTOP)
+        finally:
+            if previous is None:
+                os.environ.pop(host_memory.OPT_OUT)
+            else:
+                os.environ[host_memory.OPT_OUT] = previous
+
+    def _signal(self, signum):
+        for proc in self.procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signum)
+
+    def _replies(self) -> list[float]:
+        seconds = dict(self.replies.get(timeout=600) for _ in self.procs)
+        return seconds[0]
+
+    def steps(self, n: int) -> list[float]:
+        self._signal(signal.SIGCONT)
+        for queue in self.commands:
+            queue.put(n)
+        seconds = self._replies()
+        self._signal(signal.SIGSTOP)
+        return seconds
+
+    def close(self):
+        self._signal(signal.SIGCONT)
+        for queue in self.commands:
+            queue.put(None)
+        for proc in self.procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
 
 
 # --- the run ---------------------------------------------------------------------------------
+
+
+def _jaxcnn_stepper(config, image_shape, batch, images, labels, layout, mesh):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = build_program(
+            config, OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=0),
+            get_layout(layout), build_mesh(mesh), image_shape, batch, 1000, with_eval=False,
+        )  # fmt: skip
+    state = [program.init()]
+
+    def steps(n: int) -> list[float]:
+        seconds, state[0] = time_steps(program, state[0], images, labels, n)
+        return seconds
+
+    return steps
 
 
 def main(argv=None) -> list[dict]:
@@ -160,6 +238,8 @@ def main(argv=None) -> list[dict]:
     names = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if not names or any(n not in SIZES for n in names):
         raise UserError(f"--sizes must be some of {', '.join(SIZES)}")
+    if args.steps < 1 or args.rounds < 1:
+        raise UserError("--steps and --rounds must be positive integers")
     out = Path(args.out)
     results.ensure_writable_dir(out.parent)
     simulate_cpu_devices(2, at_least=True)
@@ -187,39 +267,49 @@ def main(argv=None) -> list[dict]:
         if loss_diff > 1e-5 * max(1.0, abs(jax_loss)):
             raise UserError(f"jaxcnn and torch disagree on the loss ({jax_loss} vs {torch_loss}): not comparable")
 
-        timings = {}
-        for variant, layout, mesh in (("single", "single", {"data": 1}), ("dp2", "dp", {"data": 2})):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                program = build_program(
-                    config, OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=0),
-                    get_layout(layout), build_mesh(mesh), image_shape, batch, 1000, with_eval=False,
-                )  # fmt: skip
-            timings[("jaxcnn", variant)] = time_steps(program, program.init(), images, labels, args.steps)[0]
-            if variant == "dp2" and args.no_ddp:
-                break
-        timings[("torch", "single")] = torch_step_seconds(torch_model(jax_model, config), images, labels, args.steps)
+        # (backend, variant, host malloc) -> a function timing n warm steps
+        steppers = {
+            ("jaxcnn", "single", KEEP): _jaxcnn_stepper(config, image_shape, batch, images, labels, "single", {"data": 1}),
+            ("torch", "single", DEFAULT): TorchWorkers(image_shape, images, labels),
+            ("torch", "single", KEEP): TorchWorkers(image_shape, images, labels, keep_host_memory=True),
+        }  # fmt: skip
         if not args.no_ddp:
-            timings[("torch", "dp2")] = torch_ddp_seconds(
-                lambda jm=jax_model: torch_model(jm, config), images, labels, args.steps
+            steppers[("jaxcnn", "dp2", KEEP)] = _jaxcnn_stepper(
+                config, image_shape, batch, images, labels, "dp", {"data": 2}
             )
-        for (backend, variant), seconds in timings.items():
+            steppers[("torch", "dp2", DEFAULT)] = TorchWorkers(image_shape, images, labels, world=2)
+        timings = {key: [] for key in steppers}
+        try:  # rounds interleave the backends, so drifts in the machine's speed hit all alike
+            per_round = -(-args.steps // args.rounds)
+            for round_ in range(args.rounds):
+                for key, stepper in steppers.items():
+                    timings[key] += (stepper.steps if isinstance(stepper, TorchWorkers) else stepper)(per_round)
+                print(f"{name}: round {round_ + 1}/{args.rounds} timed", flush=True)
+        finally:
+            for stepper in steppers.values():
+                if isinstance(stepper, TorchWorkers):
+                    stepper.close()
+        size_rows = []
+        for (backend, variant, malloc), seconds in timings.items():
             median = statistics.median(seconds)
-            rows.append({
-                "backend": backend, "variant": variant,
+            size_rows.append({
+                "backend": backend, "variant": variant, "host_malloc": malloc,
                 "image_shape": "x".join(map(str, image_shape)), "global_batch_size": batch,
                 "workers": 2 if variant == "dp2" else 1, "median_step_seconds": median,
                 "images_per_second": batch / median, "ratio_vs_torch": None, "max_logit_diff": logit_diff,
-                "loss_diff": loss_diff, "steps": args.steps, "torch_threads": torch.get_num_threads(),
+                "loss_diff": loss_diff, "steps": len(seconds), "torch_threads": torch.get_num_threads(),
             })  # fmt: skip
-        for row in rows[-len(timings) :]:
+        for row in size_rows:
             torch_row = next(
-                (r for r in rows[-len(timings) :] if r["backend"] == "torch" and r["variant"] == row["variant"]), None
+                r
+                for r in size_rows
+                if (r["backend"], r["variant"], r["host_malloc"]) == ("torch", row["variant"], DEFAULT)
             )
-            if torch_row:
-                row["ratio_vs_torch"] = row["images_per_second"] / torch_row["images_per_second"]
-            print(f"{name:<4} {row['backend']:<7} {row['variant']:<7} {row['images_per_second']:10,.1f} images/s  "
-                  f"step {row['median_step_seconds'] * 1e3:8.2f} ms  jaxcnn/torch {row['ratio_vs_torch'] or 0:5.2f}")  # fmt: skip
+            row["ratio_vs_torch"] = row["images_per_second"] / torch_row["images_per_second"]
+            print(f"{name:<4} {row['backend']:<7} {row['variant']:<7} {row['host_malloc']:<14} "
+                  f"{row['images_per_second']:10,.1f} images/s  step {row['median_step_seconds'] * 1e3:8.2f} ms  "
+                  f"vs torch (default malloc) {row['ratio_vs_torch']:5.2f}")  # fmt: skip
+        rows += size_rows
     results.write_csv(out, rows, COLUMNS)
     print("wrote", out)
     return rows

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxcnn.checkpoint import state_fingerprint
-from jaxcnn.compiling import compile_all, cpu_init_options
+from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig
 from jaxcnn.data import Augment, Dataset, Prefetcher, batch_indices, eval_batches, to_global
 from jaxcnn.errors import UserError
@@ -191,7 +191,7 @@ def build_program(
         ).lower(abstract_state, eval_images, eval_labels, eval_mask)
     if with_init:
         lowered["init"] = jax.jit(init, out_shardings=state_shardings).lower()
-    compiled = compile_all(lowered, {"init": cpu_init_options(mesh)})
+    compiled = compile_all(lowered, {"init": cpu_init_options(mesh)}, default=cpu_step_options(mesh))
     compile_seconds = time.perf_counter() - start
 
     return Program(

@@ -8,12 +8,13 @@ from conftest import load_script
 
 def test_bench_reports_flops_and_an_mfu_below_the_measured_peak(tmp_path):
     out = tmp_path / "bench.csv"
-    load_script("bench").main(["--configs", "default", "--steps", "2", "--out", str(out)])
+    load_script("bench").main(["--configs", "default", "--steps", "2", "--rounds", "2", "--out", str(out)])
     frame = pd.read_csv(out)
-    assert set(frame["variant"]) == {"jaxcnn-single", "jaxcnn-dp1", "plain-jit"}
+    assert set(frame["variant"]) == {"jaxcnn-single", "jaxcnn-dp1", "plain-jit", "plain-jit-cpu-options"}
+    assert (frame["steps"] == 2).all()
     assert (frame["flops_per_step"] > 0).all() and (frame["images_per_second"] > 0).all()
     assert ((frame["mfu"] > 0) & (frame["mfu"] <= 1)).all()
-    # the three variants compile the same computation: the same FLOPs within 2%
+    # the variants compile the same computation: the same FLOPs within 2%
     assert frame["flops_per_step"].max() <= 1.02 * frame["flops_per_step"].min()
 
 

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
-from jaxcnn.models import build_model, conv_channel_spaces
+from jaxcnn.models import build_model, conv_channel_spaces, max_pool_2x2
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import NAMES_KEY
 
@@ -25,6 +25,22 @@ def test_logits_shape_for_every_member_and_size(name, image_shape):
     logits = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x, train=False), state, images)
     assert logits.shape == (2, 7)
     assert len(model.blocks) == int(name[6]) and len(model.dense) == int(name[-6])
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 3), (2, 7, 5, 3), (1, 1, 1, 2)])
+def test_max_pool_matches_flax_in_values_and_in_gradient_without_ties(shape):
+    """reshape+max equals reduce_window's pool (odd sides: SAME padding); on tie-free data
+    the gradients are equal too, and with ties each window's gradient still sums to its
+    output's (shared among the tied maxima)."""
+    reference = lambda x: nnx.max_pool(x, (2, 2), (2, 2), "SAME")  # noqa: E731
+    random = jax.random.normal(jax.random.key(0), shape)
+    for x in (random, jnp.round(random)):
+        y, pullback = jax.vjp(max_pool_2x2, x)
+        y_ref = reference(x)
+        dy = jax.random.uniform(jax.random.key(1), y.shape) + 0.5
+        assert jnp.array_equal(y, y_ref)
+        assert jnp.allclose(pullback(dy)[0].sum(), dy.sum())
+    assert jnp.allclose(jax.vjp(max_pool_2x2, random)[1](dy)[0], jax.vjp(reference, random)[1](dy)[0])
 
 
 def test_small_model_runs_and_dropout_only_in_training():

@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.compiling import compile_all, cpu_init_options
+from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.data import to_global
 from jaxcnn.errors import UserError
@@ -425,7 +425,7 @@ def build_pipeline_program(
     if with_eval:
         lowered["tail"] = jax.jit(eval_loss, out_shardings=(rep[-1], rep[-1], rep[-1])).lower(logits_sds, vec, fvec)
     options = {key: cpu_init_options(mesh) for key in lowered if isinstance(key, tuple) and key[1] == "init"}
-    compiled = compile_all(lowered, options)
+    compiled = compile_all(lowered, options, default=cpu_step_options(mesh))
     for (s, name), program in ((k, v) for k, v in compiled.items() if isinstance(k, tuple)):
         programs[s][name] = program
     eval_tail, group_images, group_labels = compiled.get("tail"), compiled["group_images"], compiled["group_labels"]
