@@ -128,6 +128,8 @@ def _torch_worker(rank, world, port, image_shape, images, labels, commands, repl
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    # DDP notes that the 1-input-channel kernel's gradient has other strides than its bucket: harmless
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     config = ModelConfig()
     model = torch_model(build_model(config, image_shape, 0), config)
     if world > 1:
