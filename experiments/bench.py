@@ -50,8 +50,8 @@ def parse_flags(argv=None):
     parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="default,224", help=f"some of {', '.join(CONFIGS)}")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--steps", type=int, default=20, help="warm steps timed per variant (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the steps are split into")
+    parser.add_argument("--steps", type=int, default=40, help="warm steps timed per variant (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds the steps are split into")
     parser.add_argument("--batch-224", type=int, default=CONFIGS["224"][1], help="batch of the 224 config")
     parser.add_argument("--out", default="results/bench.csv")
     return parser.parse_args(argv)
@@ -189,8 +189,12 @@ def main(argv=None) -> list[dict]:
                 }
             )
             r = rows[-1]
-            print(f"{name:<8} {variant:<14} {r['images_per_second']:10,.1f} images/s  step {median * 1e3:8.2f} ms  "
+            print(f"{name:<8} {variant:<22} {r['images_per_second']:10,.1f} images/s  step {median * 1e3:8.2f} ms  "
                   f"compile {compile_seconds:5.2f} s  {flops / 1e9:8.3f} GFLOP  MFU {r['mfu']:6.1%}")  # fmt: skip
+        speed = {r["variant"]: r["images_per_second"] for r in rows if r["config"] == name}
+        baseline = "plain-jit-cpu-options" if "plain-jit-cpu-options" in speed else "plain-jit"
+        print(f"{name:<8} sharding machinery: dp on data=1 at {speed['jaxcnn-dp1'] / speed[baseline] - 1:+.1%} "
+              f"of {baseline}")  # fmt: skip
     results.write_csv(out, rows, COLUMNS)
     print("wrote", out)
     return rows

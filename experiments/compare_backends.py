@@ -7,7 +7,9 @@ Needs PyTorch (`pip install torch==2.13.0`, a CPU build). Both run the same arch
 (the default model: 3 conv blocks with batch norm, dense 256 -> 128 -> 10), the same
 initial weights (copied from the jaxcnn model), the same batch and Adam (lr 1e-3,
 constant). First it checks that the two compute the same thing -- logits and loss of one
-training-mode forward from the same weights on the same batch -- then times the median of
+training-mode forward from the same weights on the same batch, and each against the torch
+twin in float64 (`max_logit_diff_vs_float64`: whose fp32 rounding a difference is) --
+then times the median of
 warm steps: jaxcnn's `single` layout against torch eager on one process, and jaxcnn `dp` on
 2 devices against torch DistributedDataParallel over 2 local processes (gloo).
 
@@ -21,6 +23,7 @@ share one schema; `ratio_vs_torch` is a row's images/s over torch's with the def
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import statistics
@@ -45,7 +48,7 @@ KEEP, DEFAULT = "keep-freed", "glibc-default"  # host malloc: jaxcnn.host_memory
 SIZES = {"28": ((28, 28, 1), 128), "224": ((224, 224, 3), 8)}
 COLUMNS = [
     "backend", "variant", "host_malloc", "image_shape", "global_batch_size", "workers", "median_step_seconds", "images_per_second",
-    "ratio_vs_torch", "max_logit_diff", "loss_diff", "steps", "torch_threads",
+    "ratio_vs_torch", "max_logit_diff", "max_logit_diff_vs_float64", "loss_diff", "steps", "torch_threads",
 ]  # fmt: skip
 
 
@@ -99,6 +102,33 @@ def torch_model(jax_model, config: ModelConfig):
     if config.norm != "batch" or config.dropout:
         raise UserError("the torch twin is written for the default model (batch norm, no dropout)")
     return TorchCNN()
+
+
+def check_agreement(jax_model, twin, images: np.ndarray, labels: np.ndarray) -> dict:
+    """Do the two compute the same thing? Logits and loss of one training-mode forward from
+    the same weights on the same batch, each backend also against the torch twin run in
+    float64 (the exact answer up to float64 rounding), which says whose fp32 rounding a
+    difference is. Raises UserError when the losses disagree beyond 1e-5."""
+    import torch
+
+    jax_logits = np.asarray(jax_model(jax.numpy.asarray(images), train=True))
+    jax_loss = float(cross_entropy(jax_logits, labels).mean())
+    exact_twin = copy.deepcopy(twin).double().train()  # a copy: its BN statistics update too
+    twin.train()
+    with torch.no_grad():
+        torch_logits = twin(torch.from_numpy(images)).numpy()
+        exact_logits = exact_twin(torch.from_numpy(images.astype(np.float64))).numpy()
+    torch_loss = float(
+        torch.nn.functional.cross_entropy(torch.from_numpy(torch_logits), torch.from_numpy(labels.astype(np.int64)))
+    )
+    if abs(jax_loss - torch_loss) > 1e-5 * max(1.0, abs(jax_loss)):
+        raise UserError(f"jaxcnn and torch disagree on the loss ({jax_loss} vs {torch_loss}): not comparable")
+    return {
+        "max_logit_diff": float(np.max(np.abs(jax_logits - torch_logits))),
+        "loss_diff": abs(jax_loss - torch_loss),
+        "jaxcnn": float(np.max(np.abs(jax_logits - exact_logits))),
+        "torch": float(np.max(np.abs(torch_logits - exact_logits))),
+    }
 
 
 def torch_step_seconds(model, images, labels, steps: int, optimizer=None) -> list[float]:
@@ -255,19 +285,10 @@ def main(argv=None) -> list[dict]:
         jax_model = build_model(config, image_shape, 0)
         twin = torch_model(jax_model, config)
 
-        # the same thing computed? logits and loss of one training-mode forward
-        jax_logits = np.asarray(jax_model(jax.numpy.asarray(images), train=True))
-        jax_loss = float(cross_entropy(jax_logits, labels).mean())
-        twin.train()
-        with torch.no_grad():
-            torch_logits = twin(torch.from_numpy(images)).numpy()
-        torch_loss = float(
-            torch.nn.functional.cross_entropy(torch.from_numpy(torch_logits), torch.from_numpy(labels.astype(np.int64)))
-        )
-        logit_diff, loss_diff = float(np.max(np.abs(jax_logits - torch_logits))), abs(jax_loss - torch_loss)
-        print(f"{name}: same weights, same batch: max |logit diff| {logit_diff:.2e}, |loss diff| {loss_diff:.2e}")
-        if loss_diff > 1e-5 * max(1.0, abs(jax_loss)):
-            raise UserError(f"jaxcnn and torch disagree on the loss ({jax_loss} vs {torch_loss}): not comparable")
+        agreement = check_agreement(jax_model, twin, images, labels)
+        print(f"{name}: same weights, same batch: max |logit diff| {agreement['max_logit_diff']:.2e} "
+              f"(jaxcnn vs float64 {agreement['jaxcnn']:.2e}, torch vs float64 {agreement['torch']:.2e}), "
+              f"|loss diff| {agreement['loss_diff']:.2e}")  # fmt: skip
 
         # (backend, variant, host malloc) -> a function timing n warm steps
         steppers = {
@@ -298,8 +319,9 @@ def main(argv=None) -> list[dict]:
                 "backend": backend, "variant": variant, "host_malloc": malloc,
                 "image_shape": "x".join(map(str, image_shape)), "global_batch_size": batch,
                 "workers": 2 if variant == "dp2" else 1, "median_step_seconds": median,
-                "images_per_second": batch / median, "ratio_vs_torch": None, "max_logit_diff": logit_diff,
-                "loss_diff": loss_diff, "steps": len(seconds), "torch_threads": torch.get_num_threads(),
+                "images_per_second": batch / median, "ratio_vs_torch": None,
+                "max_logit_diff": agreement["max_logit_diff"], "max_logit_diff_vs_float64": agreement[backend],
+                "loss_diff": agreement["loss_diff"], "steps": len(seconds), "torch_threads": torch.get_num_threads(),
             })  # fmt: skip
         for row in size_rows:
             torch_row = next(

@@ -34,3 +34,23 @@ def test_torch_twin_computes_what_jaxcnn_computes():
         theirs = twin(torch.from_numpy(images)).numpy()
     ours = np.asarray(jax_model(jnp.asarray(images), train=True))
     np.testing.assert_allclose(theirs, ours, atol=1e-5)
+    agreement = module.check_agreement(jax_model, twin, images, np.arange(4, dtype=np.int32))
+    assert agreement["jaxcnn"] < 1e-5 and agreement["torch"] < 1e-5  # both near the float64 answer
+    assert agreement["loss_diff"] < 1e-5
+
+
+def test_backend_comparison_refuses_models_that_disagree():
+    torch = pytest.importorskip("torch")
+
+    from jaxcnn.config import ModelConfig
+    from jaxcnn.errors import UserError
+    from jaxcnn.models import build_model
+
+    module = load_script("compare_backends")
+    jax_model = build_model(ModelConfig(), (28, 28, 1), 0)
+    twin = module.torch_model(jax_model, ModelConfig())
+    with torch.no_grad():
+        twin.dense[-1].bias[0] += 1.0  # one class favoured (a uniform shift would leave the loss alone)
+    images = np.random.default_rng(0).random((4, 28, 28, 1), dtype=np.float32)
+    with pytest.raises(UserError, match="disagree on the loss"):
+        module.check_agreement(jax_model, twin, images, np.arange(4, dtype=np.int32))
