@@ -70,8 +70,9 @@ def main(argv=None) -> tuple[list[dict], dict]:
         f"{args.size}x{args.size} batch {batch}: step {summary['step_seconds_traced'] * 1e3:.1f} ms traced on "
         f"{summary['worker_threads']} threads; ops {summary['traced_thread_seconds'] * 1e3:.1f} thread-ms, "
         f"outside ops (Eigen convolutions, waits) {summary['untraced_thread_seconds'] * 1e3:.1f} of "
-        f"{busy * 1e3:.1f}; {summary['minor_page_faults_per_step']:,.0f} page faults per step "
-        f"(after {summary['warmup_steps']} warm-up steps settled the heap); "
+        f"{busy * 1e3:.1f}; {summary['minor_page_faults_per_step']:,.0f} page faults in the median step "
+        f"(the heap grew in {summary['heap_growth_steps']} of {summary['fault_steps']}, after "
+        f"{summary['warmup_steps']} warm-up steps); "
         f"temp buffer {summary['temp_bytes'] / 2**20:.1f} MiB"
     )
     for row in rows[: args.top]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import optax
 
 from jaxcnn.config import OptimConfig, TrainConfig
@@ -37,6 +38,20 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
     if config.name == "adamw":
         return optax.adamw(schedule, weight_decay=config.weight_decay)
     return optax.sgd(schedule, momentum=config.momentum or None)
+
+
+def apply_optimizer(tx: optax.GradientTransformation, grads, opt_state, params):
+    """One optimizer update: (new params, new optimizer state).
+
+    The barrier makes every gradient -- so every use of the old parameters in the forward
+    and backward passes -- come before any parameter is overwritten. Without it nothing
+    orders a kernel's last readers (the input-gradient dots and convolutions) before its
+    in-place update, and XLA copies each donated kernel to keep the old value: at 224x224
+    the 100352 x 256 dense kernel (103 MB) each step, about 4% of the step on CPU.
+    """
+    grads, params = jax.lax.optimization_barrier((grads, params))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def optim_for_batch(config: OptimConfig, train: TrainConfig, batch_size: int) -> OptimConfig:

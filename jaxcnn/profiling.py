@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import re
 import resource
+import statistics
 from pathlib import Path
 
 import jax
@@ -50,23 +51,33 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _step_faults(program, state, x, y):
+    """One train step, waited for; (new state, the host page faults it took)."""
+    before = minor_faults()
+    state, metrics = program.train_step(state, x, y)
+    jax.block_until_ready(metrics)
+    return state, minor_faults() - before
+
+
+def _quiet_faults(program) -> int:
+    """Fewer faults than this in a step: the heap did not grow (1% of the temp buffer)."""
+    return max(64, program.train_step.memory_analysis().temp_size_in_bytes // resource.getpagesize() // 100)
+
+
 def settle_heap(program, state, x, y, quiet_steps: int = 10, max_steps: int = 60):
     """Warm-up steps until the host heap has settled: `quiet_steps` steps in a row that
     page-fault under 1% of the temp buffer. The heap reaches its working size only after a
     few steps grow it -- each a whole temp buffer of fresh pages -- and those come late and
     at varying steps, as XLA's threads allocate in varying order (seen here at 28x28: up to
-    step 25, the heap settling at 490-580 MiB for an 83 MiB temp buffer; afterwards no
-    faults over 60 steps). Counting them would charge the steady state with faults it does
-    not take. Without jaxcnn's malloc settings it never settles and stops at `max_steps`.
-    Returns (state, warm-up steps run)."""
-    quiet_faults = max(64, program.train_step.memory_analysis().temp_size_in_bytes // resource.getpagesize() // 100)
+    step 25, the heap settling at 490-580 MiB for an 83 MiB temp buffer). Counting them
+    would charge the steady state with faults it does not take. Without jaxcnn's malloc
+    settings it never settles and stops at `max_steps`. Returns (state, warm-up steps run)."""
+    quiet_faults = _quiet_faults(program)
     steps = quiet = 0
     while quiet < quiet_steps and steps < max_steps:
-        before = minor_faults()
-        state, metrics = program.train_step(state, x, y)
-        jax.block_until_ready(metrics)
+        state, faults = _step_faults(program, state, x, y)
         steps += 1
-        quiet = quiet + 1 if minor_faults() - before < quiet_faults else 0
+        quiet = quiet + 1 if faults < quiet_faults else 0
     return state, steps
 
 
@@ -74,11 +85,10 @@ def profile_step(program, state, images, labels, steps: int, trace_dir: Path):
     """Trace `steps` warm train steps; (rows, summary) as described in the module docstring."""
     x, y = program.place_batch(images, labels)
     state, warmup_steps = settle_heap(program, state, x, y)
-    faults = minor_faults()
-    for _ in range(steps):
-        state, metrics = program.train_step(state, x, y)
-        jax.block_until_ready(metrics)
-    faults_per_step = (minor_faults() - faults) / steps
+    faults = []
+    for _ in range(max(steps, 10)):  # the typical step's faults, and how often the heap still grew
+        state, step_faults = _step_faults(program, state, x, y)
+        faults.append(step_faults)
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(str(trace_dir)):
@@ -119,7 +129,9 @@ def profile_step(program, state, images, labels, steps: int, trace_dir: Path):
         "worker_threads": threads,
         "traced_thread_seconds": traced / steps / 1e9,
         "untraced_thread_seconds": max(0.0, threads * step_seconds - traced / steps / 1e9),
-        "minor_page_faults_per_step": faults_per_step,
+        "minor_page_faults_per_step": statistics.median(faults),  # the typical step
+        "heap_growth_steps": sum(f >= _quiet_faults(program) for f in faults),  # of `fault_steps`
+        "fault_steps": len(faults),
         "warmup_steps": warmup_steps,
         "temp_bytes": program.train_step.memory_analysis().temp_size_in_bytes,
         "trace": str(trace),

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcnn.config import UpdateConfig
 from jaxcnn.errors import UserError
 from jaxcnn.models import cross_entropy
+from jaxcnn.optim import apply_optimizer
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import activation_layout, pin
@@ -173,11 +174,6 @@ def accumulate(ctx: StepContext, params, model_state, key, images, labels, micro
     return loss_sum / microbatches, accuracy_sum / microbatches, model_state, grads
 
 
-def _apply(tx, grads, opt_state, params):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-
 # --- the step variants ----------------------------------------------------------------------
 
 
@@ -221,7 +217,7 @@ def make_train_step(ctx: StepContext, plan: UpdatePlan, param_shardings, grad_sh
                 at, state.model_state, key, images, labels
             )
             grads = pin(grads, param_shardings)  # FSDP: back to the owners
-        params, opt_state = _apply(ctx.tx, grads, state.opt_state, state.params)
+        params, opt_state = apply_optimizer(ctx.tx, grads, state.opt_state, state.params)
         history = (*state.history[1:], state.params) if config.staleness else ()
         new_state = TrainState(state.step + 1, params, model_state, opt_state, state.rng, history)
         return new_state, {"loss": loss, "accuracy": accuracy}
@@ -236,7 +232,7 @@ def make_train_step(ctx: StepContext, plan: UpdatePlan, param_shardings, grad_sh
             loss, accuracy, model_state, grads = accumulate(
                 inner, params, model_state, key, x, y, config.grad_accum, grad_shardings
             )
-            params, opt_state = _apply(ctx.tx, grads, opt_state, params)
+            params, opt_state = apply_optimizer(ctx.tx, grads, opt_state, params)
             params, model_state, opt_state = jax.tree.map(lambda a: a[None], (params, model_state, opt_state))
             return params, model_state, opt_state, *jax.lax.pmean((loss, accuracy), manual)
 

@@ -45,7 +45,7 @@ from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.data import to_global
 from jaxcnn.errors import UserError
 from jaxcnn.models import LayerShape, build_model, cross_entropy, layer_shapes
-from jaxcnn.optim import make_optimizer
+from jaxcnn.optim import apply_optimizer, make_optimizer
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.inspect import Collective, bytes_per_device, collectives
 from jaxcnn.sharding.layouts import DP, Layout
@@ -353,8 +353,7 @@ def build_pipeline_program(
         return jax.tree.map(jnp.add, acc, dp), (dx if s > 0 else None), new_stats, totals
 
     def update(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return apply_optimizer(tx, grads, opt_state, params)
 
     programs, lowered = [], {}
     key_sds = lambda s: jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep[s])  # noqa: E731
