@@ -9,9 +9,9 @@ initial weights (copied from the jaxcnn model), the same batch and Adam (lr 1e-3
 constant). First it checks that the two compute the same thing -- logits and loss of one
 training-mode forward from the same weights on the same batch, and each against the torch
 twin in float64 (`max_logit_diff_vs_float64`: whose fp32 rounding a difference is) --
-then times the median of
-warm steps: jaxcnn's `single` layout against torch eager on one process, and jaxcnn `dp` on
-2 devices against torch DistributedDataParallel over 2 local processes (gloo).
+then times the median of warm steps: jaxcnn's `single` layout against torch eager on one
+process, and jaxcnn `dp` on 2 devices against torch DistributedDataParallel over 2 local
+processes (gloo).
 
 Torch runs in spawned worker processes kept alive for the whole run, and the timed rounds
 alternate between backends, so both see the same machine. Torch gets glibc's default

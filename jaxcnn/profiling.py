@@ -59,20 +59,14 @@ def _step_faults(program, state, x, y):
     return state, minor_faults() - before
 
 
-def _quiet_faults(program) -> int:
-    """Fewer faults than this in a step: the heap did not grow (1% of the temp buffer)."""
-    return max(64, program.train_step.memory_analysis().temp_size_in_bytes // resource.getpagesize() // 100)
-
-
-def settle_heap(program, state, x, y, quiet_steps: int = 10, max_steps: int = 60):
+def settle_heap(program, state, x, y, quiet_faults: int, quiet_steps: int = 10, max_steps: int = 60):
     """Warm-up steps until the host heap has settled: `quiet_steps` steps in a row that
-    page-fault under 1% of the temp buffer. The heap reaches its working size only after a
+    page-fault under `quiet_faults`. The heap reaches its working size only after a
     few steps grow it -- each a whole temp buffer of fresh pages -- and those come late and
     at varying steps, as XLA's threads allocate in varying order (seen here at 28x28: up to
     step 25, the heap settling at 490-580 MiB for an 83 MiB temp buffer). Counting them
     would charge the steady state with faults it does not take. Without jaxcnn's malloc
     settings it never settles and stops at `max_steps`. Returns (state, warm-up steps run)."""
-    quiet_faults = _quiet_faults(program)
     steps = quiet = 0
     while quiet < quiet_steps and steps < max_steps:
         state, faults = _step_faults(program, state, x, y)
@@ -84,7 +78,9 @@ def settle_heap(program, state, x, y, quiet_steps: int = 10, max_steps: int = 60
 def profile_step(program, state, images, labels, steps: int, trace_dir: Path):
     """Trace `steps` warm train steps; (rows, summary) as described in the module docstring."""
     x, y = program.place_batch(images, labels)
-    state, warmup_steps = settle_heap(program, state, x, y)
+    temp_bytes = program.train_step.memory_analysis().temp_size_in_bytes
+    quiet_faults = max(64, temp_bytes // resource.getpagesize() // 100)  # fewer: the heap did not grow
+    state, warmup_steps = settle_heap(program, state, x, y, quiet_faults)
     faults = []
     for _ in range(max(steps, 10)):  # the typical step's faults, and how often the heap still grew
         state, step_faults = _step_faults(program, state, x, y)
@@ -130,10 +126,10 @@ def profile_step(program, state, images, labels, steps: int, trace_dir: Path):
         "traced_thread_seconds": traced / steps / 1e9,
         "untraced_thread_seconds": max(0.0, threads * step_seconds - traced / steps / 1e9),
         "minor_page_faults_per_step": statistics.median(faults),  # the typical step
-        "heap_growth_steps": sum(f >= _quiet_faults(program) for f in faults),  # of `fault_steps`
+        "heap_growth_steps": sum(f >= quiet_faults for f in faults),  # of `fault_steps`
         "fault_steps": len(faults),
         "warmup_steps": warmup_steps,
-        "temp_bytes": program.train_step.memory_analysis().temp_size_in_bytes,
+        "temp_bytes": temp_bytes,
         "trace": str(trace),
     }
     return rows, summary
