@@ -29,6 +29,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcnn.config import ModelConfig
+from jaxcnn.layers import max_pool_2x2
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import NAMES_KEY, constrain
 
@@ -53,24 +54,6 @@ def _norm_layer(kind: str, features: int, dtype, rngs: nnx.Rngs) -> nnx.Module |
 def conv_channel_spaces(num_blocks: int) -> list[str]:
     """Logical name of the channel space *after* each conv block (see module docstring)."""
     return [ax.CONV_OUT if (num_blocks - 1 - i) % 2 else ax.CONV_IN for i in range(num_blocks)]
-
-
-def max_pool_2x2(x_BHWC: jax.Array) -> jax.Array:
-    """2x2 max-pool, stride 2, SAME padding, as a reshape and a max.
-
-    The same values as `nnx.max_pool(x, (2, 2), (2, 2), "SAME")`, but its gradient is an
-    elementwise mask (XLA fuses it) where reduce_window's is select-and-scatter, for which
-    XLA:CPU materialises index arrays the size of the activation -- four of them per block,
-    most of the backward pass's memory at 224x224 and what kept remat from paying. (Tied
-    maxima share the gradient instead of one taking it all; after a ReLU ties are zeros,
-    whose gradient the ReLU stops anyway. A custom first-max gradient, as torch's, was
-    tried and did not pay at 224x224, see the README's speed section.)
-    """
-    b, h, w, c = x_BHWC.shape
-    if h % 2 or w % 2:  # SAME pads the high side; -inf never wins a max
-        x_BHWC = jnp.pad(x_BHWC, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), constant_values=-jnp.inf)
-    h, w = -(-h // 2), -(-w // 2)
-    return x_BHWC.reshape(b, h, 2, w, 2, c).max(axis=(2, 4))
 
 
 def remat_policy(remat: str, names: tuple[str, ...]):

@@ -7,7 +7,8 @@ from flax import nnx
 
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
-from jaxcnn.models import build_model, conv_channel_spaces, max_pool_2x2
+from jaxcnn.layers import max_pool_2x2
+from jaxcnn.models import build_model, conv_channel_spaces
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import NAMES_KEY
 
@@ -29,9 +30,9 @@ def test_logits_shape_for_every_member_and_size(name, image_shape):
 
 @pytest.mark.parametrize("shape", [(2, 8, 8, 3), (2, 7, 5, 3), (1, 1, 1, 2)])
 def test_max_pool_matches_flax_in_values_and_in_gradient_without_ties(shape):
-    """reshape+max equals reduce_window's pool (odd sides: SAME padding); on tie-free data
+    """jaxcnn's pool equals reduce_window's (odd sides: SAME padding); on tie-free data
     the gradients are equal too, and with ties each window's gradient still sums to its
-    output's (shared among the tied maxima)."""
+    output's (given to one of the tied maxima)."""
     reference = lambda x: nnx.max_pool(x, (2, 2), (2, 2), "SAME")  # noqa: E731
     random = jax.random.normal(jax.random.key(0), shape)
     for x in (random, jnp.round(random)):

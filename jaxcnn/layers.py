@@ -1,0 +1,67 @@
+"""Layers whose gradient jaxcnn writes itself, each checked against a float64 reference
+(tests/test_gradients.py).
+
+Why a max-pool of our own: the gradient JAX derives for `jnp.max` (and so for a pool
+written as reshape + max) marks the window's winner by comparing the operand with the
+result bit for bit. Under `jit`, XLA may recompute a fused operand (batch norm -> ReLU)
+in the backward pass with different rounding than the forward used; the comparison then
+fails and the window gets no gradient at all (seen on XLA:CPU at 128 channels: a third of
+the windows). `lax.reduce_window`'s select-and-scatter is immune but materialises index
+arrays the size of the activation on XLA:CPU. This pool decides the winner once, in the
+forward pass, from comparisons among the window's own four values, and keeps that choice
+(one int8 per output) for the backward pass: every window routes its gradient to exactly
+one input, whatever XLA fuses or recomputes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _windows(x_BHWC: jax.Array) -> tuple[jax.Array, ...]:
+    """The four corners of each 2x2 window, in row-major order, after SAME padding
+    (the high side padded with -inf, which never wins)."""
+    b, h, w, c = x_BHWC.shape
+    if h % 2 or w % 2:
+        x_BHWC = jnp.pad(x_BHWC, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), constant_values=-jnp.inf)
+    x_BhiwjC = x_BHWC.reshape(b, -(-h // 2), 2, -(-w // 2), 2, c)
+    return tuple(x_BhiwjC[:, :, i, :, j, :] for i in (0, 1) for j in (0, 1))
+
+
+def _pool_with_choice(x_BHWC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(pooled, index 0-3 of the first maximum in row-major order), as torch picks."""
+    top_left, top_right, bottom_left, bottom_right = _windows(x_BHWC)
+    right_wins = top_right > top_left
+    top = jnp.where(right_wins, top_right, top_left)
+    bottom_right_wins = bottom_right > bottom_left
+    bottom = jnp.where(bottom_right_wins, bottom_right, bottom_left)
+    bottom_wins = bottom > top
+    pooled = jnp.where(bottom_wins, bottom, top)
+    choice = jnp.where(bottom_wins, 2 + bottom_right_wins, right_wins).astype(jnp.int8)
+    return pooled, choice
+
+
+@jax.custom_vjp
+def max_pool_2x2(x_BHWC: jax.Array) -> jax.Array:
+    """2x2 max-pool, stride 2, SAME padding: the values of
+    `nnx.max_pool(x, (2, 2), (2, 2), "SAME")`; the gradient goes to the first maximum of
+    each window, as chosen in the forward pass (see the module docstring)."""
+    return _pool_with_choice(x_BHWC)[0]
+
+
+def _max_pool_forward(x_BHWC):
+    pooled, choice = _pool_with_choice(x_BHWC)
+    return pooled, (choice, x_BHWC.shape)
+
+
+def _max_pool_backward(residuals, g_BhwC):
+    choice_Bhwc, (b, h, w, c) = residuals
+    hh, ww = choice_Bhwc.shape[1:3]
+    corner = (2 * jnp.arange(2)[:, None] + jnp.arange(2)[None, :]).reshape(1, 1, 2, 1, 2, 1)
+    chosen = choice_Bhwc[:, :, None, :, None, :] == corner
+    g_BhiwjC = jnp.where(chosen, g_BhwC[:, :, None, :, None, :], jnp.zeros((), g_BhwC.dtype))
+    return (g_BhiwjC.reshape(b, 2 * hh, 2 * ww, c)[:, :h, :w, :],)
+
+
+max_pool_2x2.defvjp(_max_pool_forward, _max_pool_backward)

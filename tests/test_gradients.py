@@ -1,0 +1,196 @@
+"""Jitted float32 gradients against a float64 reference, at the sizes where bugs hide.
+
+Every layer kind the models use, and whole models, over shapes that the tiny test models
+never reach: 128 and 256 channels, odd heights and widths, batches of 3 and 48, each
+`--norm`, with and without remat. The float32 gradient is taken under `jax.jit` (what
+training runs, where XLA fuses and may recompute); the reference runs eagerly in float64
+(one op at a time, nothing fused, rounding 1e-16). The bar, per gradient leaf:
+max |jit - reference| <= 1e-5 x max |reference|.
+
+The reshape+max pool this project used to have failed this check at (48, 6, 6, 128)
+after batch norm: a third of its windows got no gradient under jit (error 1.0).
+
+A max-pool and a ReLU have kinks: where two inputs of a window are equal to within float32
+rounding, float32 and float64 may rightly pick different winners, and the gradients then
+differ at that window (one such window in 55,296 moves a whole model's kernel gradient by
+~1e-3). The whole-model checks therefore compare at an input where both precisions take
+the same branch at every window and every ReLU -- the next seed when one does not, and
+the test says so if none of a few does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxcnn.config import ModelConfig
+from jaxcnn.layers import _pool_with_choice, max_pool_2x2
+from jaxcnn.models import ConvBlock, build_model, cross_entropy
+from jaxcnn.sharding import axes as ax
+
+RTOL = 1e-5  # of the largest entry of each reference gradient
+
+
+def float64_twin(module: nnx.Module) -> nnx.Module:
+    """The same module, its variables and compute dtype in float64 (call under x64)."""
+    graphdef, state = nnx.split(module)
+    twin = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), state))
+    for _, layer in nnx.iter_modules(twin):
+        if hasattr(layer, "dtype"):
+            layer.dtype = jnp.float64
+    return twin
+
+
+def grads_of(loss, module: nnx.Module, *inputs, jit: bool):
+    """d loss / d (parameters, first input); `loss(module, *inputs)` returns a scalar."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def pure(params, x, *others):
+        return loss(nnx.merge(graphdef, params, rest, copy=True), x, *others)
+
+    grad = jax.grad(pure, argnums=(0, 1))
+    return (jax.jit(grad) if jit else grad)(params, *inputs)
+
+
+def assert_matches_float64(loss, module: nnx.Module, *inputs) -> float:
+    """Jitted float32 gradients of `loss` against the eager float64 ones; the worst error."""
+    got = grads_of(loss, module, *inputs, jit=True)
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(x, jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs]
+        reference = grads_of(loss, float64_twin(module), *wide, jit=False)
+        worst = 0.0
+        for (path, g), r in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(reference), strict=True):
+            r = np.asarray(r)
+            scale = np.abs(r).max()
+            error = np.abs(np.asarray(g, np.float64) - r).max() / scale if scale else np.abs(g).max()
+            assert error <= RTOL, f"{jax.tree_util.keystr(path)}: error {error:.2e} of the largest entry"
+            worst = max(worst, float(error))
+    return worst
+
+
+def _block(cin: int, cout: int, norm: str, remat: str = "none") -> ConvBlock:
+    config = ModelConfig(norm=norm, remat=remat)
+    with nnx.use_eager_sharding(False):
+        return ConvBlock(cin, cout, ax.CONV_IN, ax.CONV_OUT, config, nnx.Rngs(params=0))
+
+
+def _random(shape, seed: int, dtype=jnp.float32) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+# (batch, height, width, in channels, out channels): odd sides, 128-256 channels, batches 3-48
+BLOCK_SHAPES = [(48, 6, 6, 64, 128), (16, 6, 6, 128, 128), (3, 7, 7, 128, 256), (48, 9, 5, 32, 128)]
+
+
+@pytest.mark.parametrize("norm", ["batch", "none", "group"])
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_conv_block_gradient_matches_float64(shape, norm):
+    """conv -> norm -> ReLU -> pool, the unit where the old pool's gradient went wrong."""
+    b, h, w, cin, cout = shape
+    x = _random((b, h, w, cin), 0)
+    dy = _random((b, -(-h // 2), -(-w // 2), cout), 1)
+    assert_matches_float64(lambda block, x, dy: jnp.sum(block(x, train=True) * dy), _block(cin, cout, norm), x, dy)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_conv_block_gradient_under_remat_matches_float64(remat):
+    """Remat recomputes the forward (the pool's choice included) in the backward pass."""
+    x, dy = _random((48, 6, 6, 64), 0), _random((48, 3, 3, 128), 1)
+    block = _block(64, 128, "batch", remat)
+    assert_matches_float64(lambda block, x, dy: jnp.sum(block(x, train=True) * dy), block, x, dy)
+
+
+@pytest.mark.parametrize("shape", [(48, 6, 6, 128), (3, 7, 9, 256), (5, 1, 1, 3)], ids=str)
+def test_pool_after_a_fused_producer_matches_float64(shape):
+    """The pool alone behind an elementwise producer XLA fuses into it (the exact pattern
+    of the bug), on odd sides (SAME padding) and a 1x1 image."""
+
+    class ScaledPool(nnx.Module):
+        def __init__(self):
+            self.scale = nnx.Param(jnp.full((shape[-1],), 1.3))
+
+        def __call__(self, x):
+            return max_pool_2x2(nnx.relu((x - x.mean((0, 1, 2))) * self.scale + 0.1))
+
+    b, h, w, c = shape
+    dy = _random((b, -(-h // 2), -(-w // 2), c), 1)
+    assert_matches_float64(lambda m, x, dy: jnp.sum(m(x) * dy), ScaledPool(), _random(shape, 0), dy)
+
+
+def test_pool_sends_each_window_gradient_to_exactly_one_input():
+    """With ties (a ReLU's zeros, equal values), the whole window's gradient goes to one
+    input, the first maximum in row-major order (as torch's), and the values are flax's."""
+    x = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.5, 2.0], [3.0, 3.0, -1.0]]).reshape(1, 3, 3, 1)
+    y, pullback = jax.vjp(max_pool_2x2, x)
+    assert jnp.array_equal(y, nnx.max_pool(x, (2, 2), (2, 2), "SAME"))
+    grad = pullback(jnp.array([10.0, 20.0, 30.0, 40.0]).reshape(1, 2, 2, 1))[0][0, :, :, 0]
+    expected = jnp.array([[10.0, 0.0, 0.0], [0.0, 0.0, 20.0], [30.0, 0.0, 40.0]])
+    assert jnp.array_equal(grad, expected)
+
+
+def test_dense_and_loss_gradient_matches_float64():
+    """The dense head at the default model's widths, through the cross-entropy."""
+
+    class Head(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(1152, 256, rngs=rngs)
+            self.out = nnx.Linear(256, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    labels = jnp.arange(48) % 10
+    loss = lambda m, x: cross_entropy(m(x), labels).mean()  # noqa: E731
+    assert_matches_float64(loss, Head(nnx.Rngs(0)), _random((48, 1152), 0))
+
+
+MODELS = {
+    # the default model (32/64/128 channels) at odd sides and batches, each norm
+    "default-batch": (ModelConfig(norm="batch"), (48, 13, 13, 3)),
+    "default-group": (ModelConfig(norm="group"), (3, 24, 24, 3)),
+    "default-none": (ModelConfig(norm="none"), (3, 15, 15, 1)),
+    "default-remat": (ModelConfig(norm="batch", remat="full"), (8, 16, 16, 1)),
+    # 5 conv blocks up to 256 channels at an odd size: 40 -> 20 -> 10 -> 5 -> 3 -> 2
+    "5-block": (ModelConfig(name="cnn2d_5layer_fullconnected_3layer", norm="batch"), (3, 40, 40, 3)),
+}
+
+
+def branches(model: nnx.Module, images: jax.Array) -> list[jax.Array]:
+    """Every ReLU's sign and every pool window's winner in a training forward pass."""
+    taken = []
+    for block in model.blocks:
+        y = block.conv(images)
+        if isinstance(block.norm, nnx.BatchNorm):
+            y = block.norm(y, use_running_average=False)
+        elif block.norm is not None:
+            y = block.norm(y)
+        y = nnx.relu(y)
+        taken += [y > 0, _pool_with_choice(y)[1]]
+        images = max_pool_2x2(y)
+    return taken
+
+
+def images_off_the_kinks(model: nnx.Module, shape: tuple[int, ...], tries: int = 5) -> jax.Array:
+    """Random images at which float32 and float64 take the same branch everywhere."""
+    graphdef, state = nnx.split(model)
+    branches_jit = jax.jit(lambda state, x: branches(nnx.merge(graphdef, state, copy=True), x))
+    for seed in range(tries):
+        images = _random(shape, seed)
+        with jax.enable_x64(True):
+            wide = branches(float64_twin(model), jnp.asarray(images, jnp.float64))
+        narrow = branches_jit(state, images)
+        if all(np.array_equal(a, b) for a, b in zip(narrow, wide, strict=True)):
+            return images
+    pytest.fail(f"float32 and float64 took different branches at all {tries} seeds")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_whole_model_gradient_matches_float64(name):
+    config, shape = MODELS[name]
+    model = build_model(config, shape[1:], seed=0)
+    images, labels = images_off_the_kinks(model, shape), jnp.arange(shape[0]) % config.num_classes
+    loss = lambda m, x: cross_entropy(m(x, train=True), labels).mean()  # noqa: E731
+    assert_matches_float64(loss, model, images)
