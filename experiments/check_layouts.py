@@ -4,21 +4,47 @@ the collectives each layout compiled to.
 
 python experiments/check_layouts.py                              # default model, 8 devices
 python experiments/check_layouts.py --steps 20 --layouts dp,tp --out results/check.csv
+python experiments/check_layouts.py --sizes realistic --out results/layout_equivalence_realistic.csv
+
+Two comparisons per layout:
+- free-running (`max_rel_loss_diff`): K steps each on its own, as a user's runs. Beside it
+  `noise_floor`: how far `single` itself moves when its input images change by one ulp.
+  A 2x2 max-pool window whose two largest inputs are equal to within float32 rounding may
+  pick either winner, and another summation order (any layout that splits a reduction)
+  may pick the other; Adam then amplifies that one-window difference over the following
+  steps. Where the floor is above 1e-5, so may be the layout's difference, and that is the
+  trajectory's conditioning, not a layout computing something else.
+- step by step (`step_rel_loss_diff`, `step_rel_grad_diff`): at every step the layout
+  starts from single's exact state, so its loss and gradient (read back from Adam's first
+  moment, zeroed before the step; relative to the largest entry) are compared with single's on the same inputs,
+  without amplification. A pool window decided the other way shows here as a gradient
+  difference of ~1e-3 in the step where it happens. Pipeline programs keep per-stage
+  states and are compared free-running only.
+
+`--sizes realistic` runs the fixed set in REALISTIC instead of the flags' model and data:
+the default model (32/64/128 channels) at 24x24x3 and 32x32x3 and a 5-block model (up to
+256 channels) at 40x40x3, on odd device counts (data=3, 6 devices, data=3,model=2) and
+batches that are not powers of two. Pipeline rows there use one micro-batch, so batch
+norm sees the whole batch as on one device; with M micro-batches its statistics are per
+micro-batch by design (tests/test_pipeline.py checks that design).
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
+import optax
 
 from jaxcnn import cli, results
-from jaxcnn.config import OptimConfig, TrainConfig
-from jaxcnn.data import load_csv, parse_image_shape, synthetic_dataset
+from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
+from jaxcnn.data import Dataset, batch_indices, load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
-from jaxcnn.sharding import LAYOUTS, build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
+from jaxcnn.sharding import LAYOUTS, Layout, build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
 from jaxcnn.sharding.inspect import KINDS
 from jaxcnn.sharding.lint import lint
 from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
@@ -26,6 +52,35 @@ from jaxcnn.sharding.pipeline import build_pipeline_program, stage_collectives
 from jaxcnn.train import build_program, fit
 
 PROG = "check_layouts.py"
+DEFAULT = "cnn2d_3layer_fullconnected_3layer"
+FIVE_BLOCKS = "cnn2d_5layer_fullconnected_3layer"  # 32/64/128/128/256 channels
+
+# (model, image, global batch, layout, mesh): the --sizes realistic set
+REALISTIC = [
+    *[(DEFAULT, "24x24x3", 48, layout, mesh) for layout, mesh in [
+        ("dp", "data=3"), ("dp", "data=6"), ("fsdp", "data=3"), ("tp", "model=2"), ("hybrid", "data=3,model=2"),
+        ("spatial", "data=3,spatial=2"), ("pipeline", "data=3,stage=2"),
+    ]],
+    *[(DEFAULT, "32x32x3", 60, layout, mesh) for layout, mesh in [
+        ("dp", "data=6"), ("fsdp", "data=6"), ("tp", "model=4"), ("hybrid", "data=3,model=2"),
+        ("spatial", "data=3,spatial=2"), ("spatial", "data=2,spatial=4"), ("pipeline", "stage=3"),
+    ]],
+    *[(DEFAULT, "32x32x3", 64, layout, mesh) for layout, mesh in [
+        ("tp", "model=8"), ("hybrid", "data=4,model=2"), ("spatial", "data=4,spatial=2"),
+    ]],
+    *[(FIVE_BLOCKS, "40x40x3", 24, layout, mesh) for layout, mesh in [
+        ("dp", "data=3"), ("fsdp", "data=6"), ("tp", "model=4"), ("hybrid", "data=3,model=2"),
+        ("spatial", "data=2,spatial=2"), ("pipeline", "stage=3"),
+    ]],
+]  # fmt: skip
+
+
+class Case(NamedTuple):
+    model: ModelConfig
+    dataset: Dataset
+    batch_size: int
+    layout: Layout
+    mesh_shape: dict[str, int]
 
 
 def parse_flags(argv=None):
@@ -33,6 +88,9 @@ def parse_flags(argv=None):
     cli.add_model_flags(parser)
     cli.add_data_flags(parser)
     g = parser.add_argument_group("check")
+    g.add_argument(
+        "--sizes", choices=("flags", "realistic"), default="flags", help="the flags' model and data, or REALISTIC"
+    )
     g.add_argument("--layouts", default=",".join(n for n in LAYOUTS if n != "single"), help="comma-separated")
     g.add_argument("--devices", type=int, default=cli.DEFAULT_SIMULATED_DEVICES, help="devices per layout mesh")
     g.add_argument("--steps", type=int, default=10, help="training steps compared")
@@ -43,65 +101,177 @@ def parse_flags(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> list[dict]:
-    args = parse_flags(argv)
-    layouts = [get_layout(name.strip()) for name in args.layouts.split(",") if name.strip()]
-    if args.steps < 1:
-        raise UserError(f"--steps must be at least 1, got {args.steps}")
-    model_config = cli.model_from_flags(args)
-    optim = OptimConfig(learning_rate=args.lr, warmup_steps=2)
-    train = TrainConfig(batch_size=args.batch_size, epochs=1, max_steps=args.steps, seed=args.seed)
-    out = results.ensure_writable_dir(Path(args.out).parent) / Path(args.out).name
+def cases_from_flags(args, layouts: list[Layout]) -> list[Case]:
+    model = cli.model_from_flags(args)
     if args.synthetic:
-        dataset = synthetic_dataset(parse_image_shape(args.synthetic), args.synthetic_size, model_config.num_classes, 0)
+        dataset = synthetic_dataset(parse_image_shape(args.synthetic), args.synthetic_size, model.num_classes, 0)
     else:
-        dataset = load_csv(args.data, channels=args.channels, num_classes=model_config.num_classes)
-    simulate_cpu_devices(args.devices, at_least=True)
-    if len(jax.devices()) < args.devices:
-        raise UserError(f"--devices {args.devices} but only {len(jax.devices())} devices exist")
+        dataset = load_csv(args.data, channels=args.channels, num_classes=model.num_classes)
+    return [
+        Case(model, dataset, args.batch_size, layout, resolve_mesh(parse_mesh(layout.default_mesh), args.devices))
+        for layout in layouts
+    ]
 
-    def run(layout, mesh_shape):
-        mesh = build_mesh(mesh_shape)
-        build = build_pipeline_program if layout.stage_axis else build_program
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # fallbacks show in the lint's count below
-            program = build(
-                model_config, optim, layout, mesh, dataset.image_shape, train.batch_size, args.steps, seed=args.seed,
-                with_eval=False,
-            )  # fmt: skip
-        outcome = fit(program, program.init(), dataset, None, train, progress=False)
-        return np.asarray(outcome.loss_history), program
 
-    reference, _ = run(get_layout("single"), {"data": 1})
-    rows = []
-    for layout in layouts:
-        mesh_shape = resolve_mesh(parse_mesh(layout.default_mesh), args.devices)
-        check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes)
-        losses, program = run(layout, mesh_shape)
-        if layout.stage_axis:  # per-stage programs: their collectives over one step, all stages
-            report = lint(layout, program.mesh, program.placements)
-            report.collectives = [c for stage in stage_collectives(program) for c in stage]
-        else:
-            report = lint(layout, program.mesh, program.placements, program.train_step)
+def realistic_cases(layouts: list[Layout], table=REALISTIC) -> list[Case]:
+    """The REALISTIC rows whose layout is among `layouts`; 10 batches of random images each."""
+    wanted = {layout.name for layout in layouts}
+    datasets = {}
+    cases = []
+    for model_name, image, batch, layout_name, mesh in table:
+        if layout_name not in wanted:
+            continue
+        key = (image, batch)
+        if key not in datasets:
+            datasets[key] = synthetic_dataset(parse_image_shape(image), 10 * batch, 10, 0)
+        cases.append(
+            Case(ModelConfig(name=model_name), datasets[key], batch, get_layout(layout_name), parse_mesh(mesh))
+        )
+    return cases
+
+
+def compile_case(case: Case, steps: int, lr: float, seed: int, layout=None, mesh_shape=None):
+    """The program of `case` (or of it under another layout and mesh)."""
+    layout, mesh_shape = layout or case.layout, mesh_shape or case.mesh_shape
+    build = build_pipeline_program if layout.stage_axis else build_program
+    extra = {"microbatches": 1} if layout.stage_axis else {}  # batch norm over the whole batch, as on one device
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fallbacks show in the lint's count below
+        return build(
+            case.model, OptimConfig(learning_rate=lr, warmup_steps=2), layout, build_mesh(mesh_shape),
+            case.dataset.image_shape, case.batch_size, steps, seed=seed, with_eval=False, **extra,
+        )  # fmt: skip
+
+
+def free_running_losses(program, dataset: Dataset, steps: int, seed: int) -> np.ndarray:
+    train = TrainConfig(batch_size=program.batch_size, epochs=-(-steps * program.batch_size // len(dataset)),
+                        max_steps=steps, seed=seed)  # fmt: skip
+    return np.asarray(fit(program, program.init(), dataset, None, train, progress=False).loss_history)
+
+
+def _host_copy(tree):
+    # a copy, not a view: on CPU device_get may alias the device buffer, which the donating step reuses
+    return jax.tree.map(lambda a: np.array(a, copy=True), jax.device_get(tree))
+
+
+KINK = 1e-5  # a step whose gradient differs more: a pool window (or ReLU) decided the other way
+ADAM_B1 = 0.9  # optax.adam's default, which jaxcnn's adam uses
+
+
+def without_momentum(state):
+    """The state with Adam's first moment zeroed: the step then leaves (1 - b1) x its
+    gradient there, unmixed with earlier gradients (whose rounding would blur it)."""
+    mu = optax.tree_utils.tree_get(state.opt_state, "mu")
+    return state._replace(opt_state=optax.tree_utils.tree_set(state.opt_state, mu=jax.tree.map(np.zeros_like, mu)))
+
+
+def probe(program, state, images: np.ndarray, labels: np.ndarray) -> tuple[float, list[np.ndarray]]:
+    """(loss, gradient) of one step of `program` from host `state`, read back from Adam's first moment."""
+    placed = program.place_batch(images, labels)
+    after, metrics = program.train_step(
+        jax.device_put(_host_copy(without_momentum(state)), program.state_shardings), *placed
+    )
+    mu = jax.tree.leaves(optax.tree_utils.tree_get(_host_copy(after).opt_state, "mu"))
+    return float(metrics["loss"]), [m / (1 - ADAM_B1) for m in mu]
+
+
+def step_by_step(single, program, dataset: Dataset, steps: int, seed: int) -> tuple[list[float], list[float]]:
+    """Each step run by `single` and by `program` from single's state on the same batch:
+    per step, (relative loss difference, max |gradient difference| / max |single's gradient|).
+    Single's own step (momentum kept) carries the trajectory on."""
+    state, loss_diffs, grad_diffs = single.init(), [], []
+    per_epoch = len(dataset) // single.batch_size
+    for step in range(steps):
+        idx = batch_indices(len(dataset), single.batch_size, step // per_epoch, seed)[step % per_epoch]
+        batch = dataset.images[idx], dataset.labels[idx]
+        before = _host_copy(state)
+        (loss, expected), (layout_loss, got) = probe(single, before, *batch), probe(program, before, *batch)
+        loss_diffs.append(abs(layout_loss - loss) / abs(loss))
+        largest = max(float(np.abs(g).max()) for g in expected)
+        grad_diffs.append(max(float(np.abs(a - b).max()) for a, b in zip(got, expected, strict=True)) / largest)
+        state, _ = single.train_step(jax.device_put(before, single.state_shardings), *single.place_batch(*batch))
+    return loss_diffs, grad_diffs
+
+
+def sharding_report(layout: Layout, program):
+    """The lint's report, with the collectives of one whole step."""
+    if layout.stage_axis:  # per-stage programs: their collectives over one step, all stages
+        report = lint(layout, program.mesh, program.placements)
+        report.collectives = [c for stage in stage_collectives(program) for c in stage]
+        return report
+    return lint(layout, program.mesh, program.placements, program.train_step)
+
+
+def nudged(dataset: Dataset) -> Dataset:
+    """The same images, each pixel one float32 ulp larger."""
+    return replace(dataset, images=np.nextafter(dataset.images, np.float32(np.inf)))
+
+
+def check(cases: list[Case], steps: int, lr: float, seed: int) -> list[dict]:
+    rows, references = [], {}
+    for case in cases:
+        check_layout_axes(case.layout.mesh_axes, case.mesh_shape, case.layout.name, case.layout.optional_axes)
+        key = (case.model, case.dataset.image_shape, case.batch_size)
+        if key not in references:
+            single = compile_case(case, steps, lr, seed, get_layout("single"), {"data": 1})
+            reference = free_running_losses(single, case.dataset, steps, seed)
+            floor = np.max(
+                np.abs(free_running_losses(single, nudged(case.dataset), steps, seed) - reference) / reference
+            )
+            references[key] = single, reference, float(floor)
+        single, reference, floor = references[key]
+        program = compile_case(case, steps, lr, seed)
+        losses = free_running_losses(program, case.dataset, steps, seed)
+        step_loss = step_grad = kink_steps = None
+        if not case.layout.stage_axis:
+            loss_diffs, grad_diffs = step_by_step(single, program, case.dataset, steps, seed)
+            step_loss, step_grad = max(loss_diffs), max(grad_diffs)
+            kink_steps = sum(d > KINK for d in grad_diffs)
+        report = sharding_report(case.layout, program)
         row = {
-            "layout": layout.name,
-            "mesh": format_mesh(mesh_shape),
-            "steps": args.steps,
+            "model": case.model.name,
+            "image": "x".join(map(str, case.dataset.image_shape)),
+            "batch_size": case.batch_size,
+            "layout": case.layout.name,
+            "mesh": format_mesh(case.mesh_shape),
+            "steps": steps,
             "max_rel_loss_diff": float(np.max(np.abs(losses - reference) / np.abs(reference))),
+            "noise_floor": floor,
+            "step_rel_loss_diff": step_loss,
+            "step_rel_grad_diff": step_grad,
+            "kink_steps": kink_steps,
             "param_bytes_per_device": report.bytes_per_device,
             "lint_warnings": len(report.warnings),
         }
         seen = []
         for kind in KINDS:
-            found = [c for c in report.collectives if c.kind == kind]
+            of_kind = [c for c in report.collectives if c.kind == kind]
             column = kind.replace("-", "_")
-            row[f"count_{column}"], row[f"bytes_{column}"] = len(found), sum(c.buffer_bytes for c in found)
-            if found:
-                seen.append(f"{kind} {len(found)}x {row[f'bytes_{column}']:,} B")
+            row[f"count_{column}"], row[f"bytes_{column}"] = len(of_kind), sum(c.buffer_bytes for c in of_kind)
+            if of_kind:
+                seen.append(f"{kind} {len(of_kind)}x {row[f'bytes_{column}']:,} B")
         rows.append(row)
-        seen = ", ".join(seen)
-        extra = f"   + {2 * program.microbatches} sends between stages" if layout.stage_axis else ""
-        print(f"{layout.name:<8} {row['mesh']:<18} max rel loss diff {row['max_rel_loss_diff']:.2e}   {seen}{extra}")
+        stepwise = f"step {step_loss:.1e} grad {step_grad:.1e}" if step_loss is not None else "step n/a"
+        print(
+            f"{row['model'][:7]:<8}{row['image']:<9}b{case.batch_size:<4}{row['layout']:<9}{row['mesh']:<18}"
+            f"free {row['max_rel_loss_diff']:.1e} (floor {floor:.1e})  {stepwise:<28} {', '.join(seen)}",
+            flush=True,
+        )
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_flags(argv)
+    layouts = [get_layout(name.strip()) for name in args.layouts.split(",") if name.strip()]
+    if args.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
+    out = results.ensure_writable_dir(Path(args.out).parent) / Path(args.out).name
+    cases = realistic_cases(layouts) if args.sizes == "realistic" else cases_from_flags(args, layouts)
+    devices = max(int(np.prod(list(case.mesh_shape.values()))) for case in cases)
+    simulate_cpu_devices(max(devices, args.devices), at_least=True)
+    if len(jax.devices()) < devices:
+        raise UserError(f"the meshes need {devices} devices but only {len(jax.devices())} exist")
+    rows = check(cases, args.steps, args.lr, args.seed)
     results.write_csv(out, rows)
     print("wrote", out)
     return rows
