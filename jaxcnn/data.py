@@ -238,16 +238,32 @@ class Prefetcher:
     """Builds `produce(i)` for i in range(count) ahead of the consumer on `workers` threads,
     at most `depth` batches ahead, and yields them in order.
 
-    `wait_seconds` is the time the consumer spent blocked waiting for the next one -- the
-    input stall that `input_wait_fraction` reports. (Threads suffice: numpy's indexing and
-    arithmetic and JAX's host-to-device copies release the GIL.)
+    Two clocks. `wait_seconds`: all the time the consumer blocked in here, `idle()`
+    included. `stall_seconds`: the part of it after `idle()` returned -- give `idle` a
+    function that blocks until the devices have finished the work already dispatched (the
+    fit loop blocks on the last step's outputs); a wait after it is time the devices sit
+    with nothing to do for want of input: the stall `input_wait_fraction` reports. (The
+    host's wait for a batch while a dispatched step still computes costs nothing; before
+    issue 15 it was counted.) `idle` runs only when the next item is not built yet, so a
+    loader that keeps ahead costs nothing and keeps async dispatch's queue intact. Without
+    `idle` the two clocks are equal.
+    (Threads suffice: numpy's indexing and arithmetic and JAX's host-to-device copies
+    release the GIL.)
     """
 
-    def __init__(self, produce: Callable[[int], object], count: int, depth: int = 2, workers: int = 1):
+    def __init__(
+        self,
+        produce: Callable[[int], object],
+        count: int,
+        depth: int = 2,
+        workers: int = 1,
+        idle: Callable[[], object] | None = None,
+    ):
         if depth < 1 or workers < 1:
             raise UserError(f"--prefetch and --input-workers must be >= 1, got {depth} and {workers}")
         self.wait_seconds = 0.0
-        self._produce, self._count, self._depth = produce, count, depth
+        self.stall_seconds = 0.0
+        self._produce, self._count, self._depth, self._idle = produce, count, depth, idle
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxcnn-input")
         self._pending: collections.deque = collections.deque()
         self._next = 0
@@ -262,10 +278,17 @@ class Prefetcher:
         while self._pending:
             future = self._pending.popleft()
             start = time.perf_counter()
+            ready = future.done()
+            if not ready and self._idle is not None:
+                self._idle()  # the devices catch up first: only what is left of the wait idles them
+            caught_up = time.perf_counter()
             try:
                 item = future.result()  # re-raises a worker's error here
             finally:
-                self.wait_seconds += time.perf_counter() - start
+                end = time.perf_counter()
+                self.wait_seconds += end - start
+                if not ready:
+                    self.stall_seconds += end - caught_up
             self._top_up()
             yield item
 

@@ -3,8 +3,11 @@
 Rows are ordered by device count, each with `num_devices`, `speedup` (vs the one-device
 baseline) and `input_wait_fraction`. The rules, in order:
 
-1. input-bound: at the largest size the step waits for input more than `INPUT_BOUND` of
-   its time -- more devices only wait faster; fix the data pipeline first;
+1. input-bound: at the largest size the devices sit idle for want of input more than
+   `INPUT_BOUND` of the training time (`input_wait_fraction`: the wait for the next batch
+   left after the devices have run every dispatched step -- host waiting that overlaps a
+   step still computing is not counted) -- more devices only wait faster; fix the data
+   pipeline first;
 2. a doubling of devices that gains less than `PAYS_PER_DOUBLING` (1.5x, the usual rule
    of thumb) means: don't scale out beyond the smaller size;
 3. otherwise scaling pays.
@@ -36,8 +39,8 @@ def verdict(rows: list[dict]) -> str:
     largest = rows[-1]
     if largest["input_wait_fraction"] > INPUT_BOUND:
         return (
-            f"input-bound: fix the data pipeline first ({largest['input_wait_fraction']:.0%} of each step on "
-            f"{largest['num_devices']} devices waits for input)"
+            f"input-bound: fix the data pipeline first (on {largest['num_devices']} devices they sit idle for "
+            f"input {largest['input_wait_fraction']:.0%} of the time)"
         )
     by_devices = {r["num_devices"]: r for r in rows}
     for r in rows:

@@ -286,7 +286,7 @@ class FitResult:
     steps: int
     train_seconds: float  # training loop only (no compile, no eval)
     images_per_second: float  # steady state: the first step (warm-up) excluded
-    input_wait_fraction: float
+    input_wait_fraction: float  # share of train_seconds the devices idled for input
     final_eval: Evaluation | None = None
     extra: dict = field(default_factory=dict)
 
@@ -367,7 +367,7 @@ def fit(
     total = sum(plan)
     losses, accuracies, rows = list(resume.loss_history), list(resume.accuracy_history), list(resume.epochs)
     skipped, images_seen, step = resume.skipped_steps, 0, resume.step
-    train_seconds = wait_seconds = first_step_seconds = 0.0
+    train_seconds = stall_seconds = first_step_seconds = 0.0
     interactive = sys.stderr.isatty()  # in a log, a line every 10 s rather than a redraw per step
     bar = tqdm(
         total=total, initial=step, unit="step", disable=not progress, mininterval=0.1 if interactive else 10,
@@ -408,6 +408,11 @@ def fit(
         checkpointer.save(step, state, record)
         saved_at = step
 
+    def devices_idle() -> None:
+        """Block until the devices have run every step dispatched so far (the loader calls
+        this only when the next batch is not built yet; see Prefetcher)."""
+        jax.block_until_ready(state)
+
     first_in_epoch = 0
     for epoch, count in enumerate(plan):
         first_in_epoch, done_before = first_in_epoch + (plan[epoch - 1] if epoch else 0), step
@@ -427,7 +432,7 @@ def fit(
             return program.place_batch(images, train_set.labels[idx])
 
         todo = first_in_epoch + count - step
-        loader = Prefetcher(produce, todo, depth=prefetch_depth, workers=input_workers)
+        loader = Prefetcher(produce, todo, depth=prefetch_depth, workers=input_workers, idle=devices_idle)
         pending = []
         start = time.perf_counter()
         for images, labels in loader:
@@ -448,7 +453,7 @@ def fit(
         epoch_seconds = time.perf_counter() - start
         loader.close()
         train_seconds += epoch_seconds
-        wait_seconds += loader.wait_seconds
+        stall_seconds += loader.stall_seconds
         collect(pending)
         result = evaluate(program, state, test_set) if test_set is not None else None
         epoch_losses = losses[first_in_epoch : first_in_epoch + count]
@@ -462,7 +467,7 @@ def fit(
             "test_accuracy": result.accuracy if result else None,
             "epoch_seconds": epoch_seconds,
             "images_per_second": todo * batch / epoch_seconds,
-            "input_wait_fraction": loader.wait_seconds / epoch_seconds,
+            "input_wait_fraction": loader.stall_seconds / epoch_seconds,
         }
         rows.append(row)
         postfix = {"epoch": epoch + 1, "loss": f"{row['train_loss']:.4f}"}
@@ -483,7 +488,7 @@ def fit(
         steps=step,
         train_seconds=train_seconds,
         images_per_second=steady_images / steady_seconds,
-        input_wait_fraction=wait_seconds / train_seconds if train_seconds else 0.0,
+        input_wait_fraction=stall_seconds / train_seconds if train_seconds else 0.0,
         final_eval=result,
         extra={"skipped_steps": skipped, "resumed_from_step": resume.step or None},
     )
