@@ -190,6 +190,7 @@ def main(argv=None) -> dict:
         "checkpoint_dir": args.checkpoint_dir,
         "resumed_from_step": outcome.extra["resumed_from_step"],
         "skipped_steps": outcome.extra["skipped_steps"],
+        "diverged_at_step": outcome.extra["diverged_at_step"],  # loss first > DIVERGENCE_FACTOR x step 1's
         "epochs": len(outcome.epochs),
         "steps": outcome.steps,
         "loss_history": outcome.loss_history,

@@ -22,6 +22,7 @@ NORMS = ("none", "batch", "group")
 REMAT_POLICIES = ("none", "full", "dots", "names")
 REMAT_NAMES = ("conv", "norm", "relu")  # the activations a conv block tags (checkpoint_name)
 DTYPES = ("float32", "bfloat16")
+DIVERGENCE_FACTOR = 10.0  # a training loss above this many times step 1's counts as diverged (fit warns)
 
 
 @dataclass(frozen=True)

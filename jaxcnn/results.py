@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from jaxcnn.config import DIVERGENCE_FACTOR
 from jaxcnn.errors import UserError
 
 EPOCH_COLUMNS = [
@@ -113,6 +114,7 @@ def summary_text(record: dict) -> str:
         return "n/a (no labels)" if x is None else f"{100 * x:.2f}%"
 
     mesh = ",".join(f"{k}={v}" for k, v in record["mesh"].items())
+    diverged = record.get("diverged_at_step")
     lines = [
         f"model           {record['model']} ({record['num_params']:,} parameters)",
         f"layout          {record['layout']}  mesh {mesh}  ({record['num_devices']} x {record['device_kind']}"
@@ -120,8 +122,18 @@ def summary_text(record: dict) -> str:
         f"training        {record['steps']} steps x batch {batch}, final loss {record['loss_history'][-1]:.4f}",
         f"test accuracy   {pct(record['test_accuracy'])}"
         + (f"  (loss {record['test_loss']:.4f})" if record["test_loss"] is not None else ""),
-        f"throughput      {record['images_per_second']:,.0f} images/s (steady state), "
-        f"input wait {100 * record['input_wait_fraction']:.1f}%",
+        throughput_line(record),
         f"time            {record['wall_seconds']:.1f} s wall, {record['compile_seconds']:.1f} s compile",
     ]
+    if diverged is not None:
+        lines.insert(3, f"diverged        at step {diverged}: loss above {DIVERGENCE_FACTOR:g}x step 1's; lower --lr")
     return "\n".join(lines)
+
+
+def throughput_line(record: dict) -> str:
+    if record["images_per_second"] is None:  # resumed at the end: this run trained no step
+        return f"throughput      none: nothing left to train (resumed at step {record['steps']} of {record['steps']})"
+    return (
+        f"throughput      {record['images_per_second']:,.0f} images/s (steady state), "
+        f"input wait {100 * record['input_wait_fraction']:.1f}%"
+    )

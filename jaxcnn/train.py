@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from jaxcnn.checkpoint import state_fingerprint
 from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
-from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig
+from jaxcnn.config import DIVERGENCE_FACTOR, ModelConfig, OptimConfig, TrainConfig, UpdateConfig
 from jaxcnn.data import Augment, Dataset, Prefetcher, batch_indices, eval_batches, to_global
 from jaxcnn.errors import UserError
 from jaxcnn.models import build_model
@@ -285,8 +285,8 @@ class FitResult:
     epochs: list[dict]  # one row per epoch: the DESIGN's CSV columns
     steps: int
     train_seconds: float  # training loop only (no compile, no eval)
-    images_per_second: float  # steady state: the first step (warm-up) excluded
-    input_wait_fraction: float  # share of train_seconds the devices idled for input
+    images_per_second: float | None  # steady state: the first step (warm-up) excluded; None: no step ran
+    input_wait_fraction: float | None  # share of train_seconds the devices idled for input; None: no step ran
     final_eval: Evaluation | None = None
     extra: dict = field(default_factory=dict)
 
@@ -312,6 +312,34 @@ def epoch_steps(train_size: int, config: TrainConfig) -> list[int]:
 
 def total_steps(train_size: int, config: TrainConfig) -> int:
     return sum(epoch_steps(train_size, config))
+
+
+def diverged_at(losses: list[float], factor: float = DIVERGENCE_FACTOR) -> int | None:
+    """The first step (1-based) whose training loss exceeds `factor` x step 1's loss; None if none.
+    (A NaN never exceeds anything: non-finite losses stop the run or are counted as skipped.)"""
+    if not losses or not (math.isfinite(losses[0]) and losses[0] > 0):
+        return None
+    return next((k for k, v in enumerate(losses, 1) if v > factor * losses[0]), None)
+
+
+def _restored_rows(plan: list[int], resume: Resume, config: TrainConfig) -> list[dict]:
+    """The epoch rows of a restored run, one for every epoch it had finished. Checkpoints
+    saved at an epoch's last step by jaxcnn before the fix of issue 15 lack that epoch's
+    row: it is rebuilt from the loss and accuracy histories (test figures and timings,
+    which cannot be rebuilt, are None)."""
+    rows, recorded, first = [], {r["epoch"]: r for r in resume.epochs}, 0
+    for epoch, count in enumerate(plan):
+        if first + count > resume.step:
+            break
+        rows.append(recorded.get(epoch + 1) or {
+            "epoch": epoch + 1, "step": first + count, "global_batch_size": config.batch_for_epoch(epoch),
+            "train_loss": float(np.mean(resume.loss_history[first : first + count])),
+            "train_accuracy": float(np.mean(resume.accuracy_history[first : first + count])),
+            "test_loss": None, "test_accuracy": None, "epoch_seconds": None, "images_per_second": None,
+            "input_wait_fraction": None,
+        })  # fmt: skip
+        first += count
+    return rows
 
 
 class NonFiniteLoss(UserError):
@@ -365,7 +393,8 @@ def fit(
     resume = resume or Resume(0, [], [], [])
     plan = epoch_steps(len(train_set), config)
     total = sum(plan)
-    losses, accuracies, rows = list(resume.loss_history), list(resume.accuracy_history), list(resume.epochs)
+    losses, accuracies = list(resume.loss_history), list(resume.accuracy_history)
+    rows = _restored_rows(plan, resume, config)
     skipped, images_seen, step = resume.skipped_steps, 0, resume.step
     train_seconds = stall_seconds = first_step_seconds = 0.0
     interactive = sys.stderr.isatty()  # in a log, a line every 10 s rather than a redraw per step
@@ -431,7 +460,7 @@ def fit(
                 images = augment(images, config.seed, epoch, skip + i)
             return program.place_batch(images, train_set.labels[idx])
 
-        todo = first_in_epoch + count - step
+        todo, epoch_end = first_in_epoch + count - step, first_in_epoch + count
         loader = Prefetcher(produce, todo, depth=prefetch_depth, workers=input_workers, idle=devices_idle)
         pending = []
         start = time.perf_counter()
@@ -446,7 +475,7 @@ def fit(
             step += 1
             images_seen += batch
             bar.update(1)
-            if checkpointer is not None and (checkpointer.due(step) or step == total):
+            if checkpointer is not None and checkpointer.due(step) and step < epoch_end:
                 collect(pending)  # never save a state that followed a non-finite loss
                 save(state)
         jax.block_until_ready(state)
@@ -470,6 +499,8 @@ def fit(
             "input_wait_fraction": loader.stall_seconds / epoch_seconds,
         }
         rows.append(row)
+        if checkpointer is not None and (checkpointer.due(step) or step == total):
+            save(state)  # at an epoch's end: after its row, so a resumed run's results hold every epoch
         postfix = {"epoch": epoch + 1, "loss": f"{row['train_loss']:.4f}"}
         if row["test_accuracy"] is not None:
             postfix["test_acc"] = f"{row['test_accuracy']:.4f}"
@@ -477,18 +508,29 @@ def fit(
     bar.close()
     if result is None and test_set is not None:  # resumed at the very end: nothing left to train
         result = evaluate(programs[config.batch_for_epoch(len(plan) - 1)], state, test_set)
-    first_batch = config.batch_for_epoch(0)
-    steady_images, steady_seconds = images_seen - first_batch, train_seconds - first_step_seconds
-    if steady_images <= 0 or steady_seconds <= 0:
-        steady_images, steady_seconds = max(images_seen, 1), max(train_seconds, 1e-9)
+    images_per_second = wait_fraction = None
+    if images_seen:  # else resumed with nothing left to train: no throughput to report
+        first_batch = config.batch_for_epoch(0)
+        steady_images, steady_seconds = images_seen - first_batch, train_seconds - first_step_seconds
+        if steady_images <= 0 or steady_seconds <= 0:  # one step only: warm-up included
+            steady_images, steady_seconds = images_seen, train_seconds
+        images_per_second = steady_images / steady_seconds
+        wait_fraction = stall_seconds / train_seconds
+    diverged = diverged_at(losses)
+    if diverged is not None:
+        warnings.warn(
+            f"training diverged: the loss first exceeded {DIVERGENCE_FACTOR:g}x step 1's ({losses[0]:.4g}) at step "
+            f"{diverged} ({losses[diverged - 1]:.4g}) and ends at {losses[-1]:.4g}; lower --lr",
+            stacklevel=2,
+        )
     return FitResult(
         state=state,
         loss_history=losses,
         epochs=rows,
         steps=step,
         train_seconds=train_seconds,
-        images_per_second=steady_images / steady_seconds,
-        input_wait_fraction=stall_seconds / train_seconds if train_seconds else 0.0,
+        images_per_second=images_per_second,
+        input_wait_fraction=wait_fraction,
         final_eval=result,
-        extra={"skipped_steps": skipped, "resumed_from_step": resume.step or None},
+        extra={"skipped_steps": skipped, "resumed_from_step": resume.step or None, "diverged_at_step": diverged},
     )

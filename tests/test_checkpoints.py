@@ -10,6 +10,7 @@ import time
 
 import jax
 import numpy as np
+import pandas as pd
 import pytest
 from conftest import REPO, load_train_module
 
@@ -64,6 +65,31 @@ def test_resume_continues_exactly_and_onto_another_layout(tmp_path):
     resharded = final_state(tmp_path / "a", "hybrid", {"data": 4, "model": 2})
     assert arrays_equal(resharded.state.params, a.state.params)
     assert any("model" in str(leaf.sharding.spec) for leaf in jax.tree.leaves(resharded.state.params))
+
+
+def test_a_resumed_run_holds_every_epoch_and_reports_no_throughput_when_nothing_was_left(tmp_path, capsys):
+    # 1437 digits at batch 256: 5 steps an epoch, so both checkpoints fall on an epoch's end
+    flags = ["--batch-size", "256", "--epochs", "2", "--checkpoint-every", "5"]
+    full = train(tmp_path, "full", *flags, "--checkpoint-dir", str(tmp_path / "a"))
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(tmp_path / "b")], check=True)
+    subprocess.run(["rm", "-rf", str(tmp_path / "b" / "10")], check=True)
+    capsys.readouterr()
+    done = train(tmp_path, "done", *flags, "--checkpoint-dir", str(tmp_path / "a"), "--resume")  # at step 10 of 10
+    summary = capsys.readouterr().out
+    later = train(tmp_path, "later", *flags, "--checkpoint-dir", str(tmp_path / "b"), "--resume")  # at step 5
+    columns = ["epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy"]
+    reference = pd.read_csv(tmp_path / "full.csv")[columns]
+    assert list(reference["epoch"]) == [1, 2] and full["epochs"] == 2
+    for name, record in (("done", done), ("later", later)):
+        rows = pd.read_csv(tmp_path / f"{name}.csv")[columns]
+        pd.testing.assert_frame_equal(rows, reference, rtol=1e-6)  # the restored epochs included
+        assert record["epochs"] == 2 and record["loss_history"] == full["loss_history"]
+    # nothing was trained: no throughput (it read 1,000,000,000 images/s), and the summary says why
+    on_disk = json.loads((tmp_path / "done.json").read_text())
+    assert done["images_per_second"] is None and on_disk["images_per_second"] is None
+    assert on_disk["input_wait_fraction"] is None and on_disk["resumed_from_step"] == 10
+    assert "nothing left to train" in summary and "images/s" not in summary
+    assert later["images_per_second"] > 0 and 0 <= later["input_wait_fraction"] < 1
 
 
 def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, recwarn):

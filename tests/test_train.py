@@ -1,4 +1,7 @@
-"""Training: dp equals single-device step for step; seeding is deterministic; state updates."""
+"""Training: dp equals single-device step for step; seeding is deterministic; state updates;
+a diverging run is named."""
+
+import json
 
 import jax
 import numpy as np
@@ -9,7 +12,7 @@ from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.errors import UserError
 from jaxcnn.optim import make_optimizer, make_schedule
 from jaxcnn.sharding import get_layout
-from jaxcnn.train import epoch_steps
+from jaxcnn.train import diverged_at, epoch_steps
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +68,28 @@ def test_optimizers_build_and_cosine_schedule_warms_up_then_decays(name):
     assert float(schedule(99)) < 0.01
     constant = make_schedule(OptimConfig(schedule="constant", warmup_steps=0, learning_rate=0.1), 100)
     assert float(constant(0)) == float(constant(99)) == pytest.approx(0.1)
+
+
+def test_diverged_at_names_the_first_step_far_above_the_first_loss():
+    assert diverged_at([2.3, 2.5, 1.9, 22.9]) is None  # below 10x
+    assert diverged_at([2.3, 2.5, 23.1, 4e6, 2.0]) == 3  # the first one over, even if it comes back
+    assert diverged_at([2.3, float("nan"), float("inf")]) == 3  # NaN is the non-finite check's business
+    assert diverged_at([]) is None and diverged_at([float("nan"), 1e9]) is None
+
+
+def test_a_diverging_run_warns_naming_the_step_and_records_it(tmp_path, capsys):
+    from conftest import load_train_module
+
+    from jaxcnn import cli
+
+    flags = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32",
+             "--lr", "1e6", "--max-steps", "8", "--quiet", "--results-dir", str(tmp_path), "--run-name", "big"]  # fmt: skip
+    cli.run_main("train.py", lambda: load_train_module().main(flags))  # exits 0: the run finished
+    captured = capsys.readouterr()
+    record = json.loads((tmp_path / "big.json").read_text())
+    losses, step = record["loss_history"], record["diverged_at_step"]
+    assert step == next(k for k, loss in enumerate(losses, 1) if loss > 10 * losses[0]) and step > 1
+    warning = [line for line in captured.err.splitlines() if "diverged" in line]
+    assert len(warning) == 1 and warning[0].startswith("train.py: warning: training diverged:"), captured.err
+    assert f"10x step 1's ({losses[0]:.4g}) at step {step} " in warning[0]
+    assert f"diverged        at step {step}" in captured.out
