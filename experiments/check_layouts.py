@@ -24,8 +24,8 @@ Two comparisons per layout:
 `--sizes realistic` runs the fixed set in REALISTIC instead of the flags' model and data:
 the default model (32/64/128 channels) at 24x24x3 and 32x32x3 and a 5-block model (up to
 256 channels) at 40x40x3, on odd device counts (data=3, 6 devices, data=3,model=2) and
-batches that are not powers of two. Pipeline rows there use one micro-batch, so batch
-norm sees the whole batch as on one device; with M micro-batches its statistics are per
+batches that are not powers of two. Pipeline rows use one micro-batch, so batch norm
+sees the whole batch as on one device; with M micro-batches its statistics are per
 micro-batch by design (tests/test_pipeline.py checks that design).
 """
 
