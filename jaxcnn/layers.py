@@ -10,7 +10,8 @@ the windows). `lax.reduce_window`'s select-and-scatter is immune but materialise
 arrays the size of the activation on XLA:CPU. This pool decides the winner once, in the
 forward pass, from comparisons among the window's own four values, and keeps that choice
 (one int8 per output) for the backward pass: every window routes its gradient to exactly
-one input, whatever XLA fuses or recomputes.
+one input, whatever XLA fuses or recomputes. (A custom VJP has no forward-mode rule:
+`jax.jvp` / `jacfwd` through the pool are not supported; training needs only `grad`.)
 """
 
 from __future__ import annotations
@@ -32,11 +33,15 @@ def _windows(x_BHWC: jax.Array) -> tuple[jax.Array, ...]:
 def _pool_with_choice(x_BHWC: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(pooled, index 0-3 of the first maximum in row-major order), as torch picks."""
     top_left, top_right, bottom_left, bottom_right = _windows(x_BHWC)
-    right_wins = top_right > top_left
+
+    def beats(challenger, holder):  # a NaN wins, as in torch and reduce_window: it must not vanish
+        return (challenger > holder) | (jnp.isnan(challenger) & ~jnp.isnan(holder))
+
+    right_wins = beats(top_right, top_left)
     top = jnp.where(right_wins, top_right, top_left)
-    bottom_right_wins = bottom_right > bottom_left
+    bottom_right_wins = beats(bottom_right, bottom_left)
     bottom = jnp.where(bottom_right_wins, bottom_right, bottom_left)
-    bottom_wins = bottom > top
+    bottom_wins = beats(bottom, top)
     pooled = jnp.where(bottom_wins, bottom, top)
     choice = jnp.where(bottom_wins, 2 + bottom_right_wins, right_wins).astype(jnp.int8)
     return pooled, choice

@@ -315,11 +315,11 @@ def total_steps(train_size: int, config: TrainConfig) -> int:
 
 
 def diverged_at(losses: list[float], factor: float = DIVERGENCE_FACTOR) -> int | None:
-    """The first step (1-based) whose training loss exceeds `factor` x step 1's loss; None if none.
-    (A NaN never exceeds anything: non-finite losses stop the run or are counted as skipped.)"""
+    """The first step (1-based) whose finite training loss exceeds `factor` x step 1's loss;
+    None if none. (Non-finite losses stop the run or, with --skip-nonfinite, are skipped.)"""
     if not losses or not (math.isfinite(losses[0]) and losses[0] > 0):
         return None
-    return next((k for k, v in enumerate(losses, 1) if v > factor * losses[0]), None)
+    return next((k for k, v in enumerate(losses, 1) if math.isfinite(v) and v > factor * losses[0]), None)
 
 
 def _restored_rows(plan: list[int], resume: Resume, config: TrainConfig) -> list[dict]:

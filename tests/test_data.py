@@ -1,5 +1,7 @@
 """The CSV loader: good files, the label-free test file, each malformed case; batching."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -266,13 +268,15 @@ def test_prefetcher_lets_the_devices_catch_up_before_it_times_a_stall():
             assert built_after_idle.wait(timeout=30)  # item 0 exists only once idle() has run
         return i
 
-    def idle():
+    def idle():  # the devices finishing 0.2 s of dispatched work
         calls.append(len(calls))
+        time.sleep(0.2)
         built_after_idle.set()
 
     loader = Prefetcher(produce, count=1, depth=1, idle=idle)
     assert list(loader) == [0] and calls == [0]  # not ready: idle() first, then the (short) stall
-    assert 0 <= loader.stall_seconds <= loader.wait_seconds
+    assert loader.wait_seconds >= 0.2  # the host waited through the devices' work ...
+    assert loader.stall_seconds < 0.1  # ... which is not a stall: only the wait after it is
     loader.close()
 
     ready = Prefetcher(lambda i: i, count=2, depth=2, idle=idle)

@@ -96,7 +96,7 @@ def realistic_rows():
     script = load_script("check_layouts")
     table = [("cnn2d_3layer_fullconnected_3layer", "24x24x3", 48, layout, mesh) for layout, mesh in REALISTIC_MESHES]
     cases = script.realistic_cases([get_layout(name) for name, _ in REALISTIC_MESHES], table)
-    return {row["layout"]: row for row in script.check(cases, steps=4, lr=1e-2, seed=0)}
+    return {row["layout"]: row for row in script.check(cases, steps=4, lr=1e-2, seed=0, free_running=False)}
 
 
 @pytest.mark.parametrize(("layout_name", "mesh"), REALISTIC_MESHES, ids=[f"{n}-{m}" for n, m in REALISTIC_MESHES])

@@ -12,7 +12,7 @@ from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.errors import UserError
 from jaxcnn.optim import make_optimizer, make_schedule
 from jaxcnn.sharding import get_layout
-from jaxcnn.train import diverged_at, epoch_steps
+from jaxcnn.train import Resume, _restored_rows, diverged_at, epoch_steps
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,8 @@ def test_optimizers_build_and_cosine_schedule_warms_up_then_decays(name):
 def test_diverged_at_names_the_first_step_far_above_the_first_loss():
     assert diverged_at([2.3, 2.5, 1.9, 22.9]) is None  # below 10x
     assert diverged_at([2.3, 2.5, 23.1, 4e6, 2.0]) == 3  # the first one over, even if it comes back
-    assert diverged_at([2.3, float("nan"), float("inf")]) == 3  # NaN is the non-finite check's business
+    # non-finite losses are the non-finite check's business (it stops the run, or skips the step)
+    assert diverged_at([2.3, float("nan"), float("inf")]) is None
     assert diverged_at([]) is None and diverged_at([float("nan"), 1e9]) is None
 
 
@@ -93,3 +94,14 @@ def test_a_diverging_run_warns_naming_the_step_and_records_it(tmp_path, capsys):
     assert len(warning) == 1 and warning[0].startswith("train.py: warning: training diverged:"), captured.err
     assert f"10x step 1's ({losses[0]:.4g}) at step {step} " in warning[0]
     assert f"diverged        at step {step}" in captured.out
+
+
+def test_epoch_rows_missing_from_an_older_checkpoint_are_rebuilt_from_its_histories():
+    """Checkpoints saved before issue 15 could lack the row of the epoch they ended: the
+    resumed run rebuilds it from the loss and accuracy histories (test figures unknown)."""
+    first = {"epoch": 1, "step": 2, "train_loss": 9.0}  # as recorded: kept as it is
+    resume = Resume(step=4, loss_history=[3.0, 1.0, 0.5, 0.25], accuracy_history=[0.1, 0.2, 0.6, 0.8], epochs=[first])
+    rows = _restored_rows([2, 2, 2], resume, TrainConfig(batch_size=8, epochs=3))
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[0] is first
+    assert rows[1]["step"] == 4 and rows[1]["train_loss"] == 0.375 and rows[1]["train_accuracy"] == 0.7
+    assert rows[1]["test_accuracy"] is None and rows[1]["images_per_second"] is None
