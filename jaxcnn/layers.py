@@ -35,7 +35,7 @@ def _pool_with_choice(x_BHWC: jax.Array) -> tuple[jax.Array, jax.Array]:
     top_left, top_right, bottom_left, bottom_right = _windows(x_BHWC)
 
     def beats(challenger, holder):  # a NaN wins, as in torch and reduce_window: it must not vanish
-        return (challenger > holder) | (jnp.isnan(challenger) & ~jnp.isnan(holder))
+        return (challenger > holder) | jnp.isnan(challenger)
 
     right_wins = beats(top_right, top_left)
     top = jnp.where(right_wins, top_right, top_left)
