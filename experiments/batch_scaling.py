@@ -14,12 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxcnn import cli, plots, results
+from jaxcnn.build import build_programs
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import load_csv
 from jaxcnn.errors import UserError
+from jaxcnn.fit import fit
 from jaxcnn.optim import optim_for_batch
 from jaxcnn.sharding import build_mesh, format_mesh
-from jaxcnn.train import build_programs, fit
 
 PROG = "batch_scaling.py"
 COLUMNS = [

@@ -28,14 +28,14 @@ import optax
 from flax import nnx
 
 from jaxcnn import cli, results
+from jaxcnn.analysis.measure import time_steps
+from jaxcnn.build import build_program
 from jaxcnn.compiling import CPU_STEP_OPTIONS
 from jaxcnn.config import DTYPES, ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
-from jaxcnn.measure import time_steps
 from jaxcnn.models import build_model, cross_entropy
 from jaxcnn.sharding import build_mesh, get_layout
 from jaxcnn.sharding.mesh import simulate_cpu_devices
-from jaxcnn.train import build_program
 
 PROG = "bench.py"
 CONFIGS = {"default": ((8, 8, 1), 64), "224": ((224, 224, 3), 8)}

@@ -41,15 +41,16 @@ import numpy as np
 import optax
 
 from jaxcnn import cli, results
+from jaxcnn.analysis.hlo import KINDS
+from jaxcnn.analysis.lint import lint
+from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
 from jaxcnn.data import Dataset, batch_indices, load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
+from jaxcnn.fit import fit
+from jaxcnn.pipeline import build_pipeline_program, stage_collectives
 from jaxcnn.sharding import LAYOUTS, Layout, build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
-from jaxcnn.sharding.inspect import KINDS
-from jaxcnn.sharding.lint import lint
 from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
-from jaxcnn.sharding.pipeline import build_pipeline_program, stage_collectives
-from jaxcnn.train import build_program, fit
 
 PROG = "check_layouts.py"
 DEFAULT = "cnn2d_3layer_fullconnected_3layer"

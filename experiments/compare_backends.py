@@ -35,13 +35,13 @@ import jax
 import numpy as np
 
 from jaxcnn import cli, host_memory, results
+from jaxcnn.analysis.measure import time_steps
+from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
-from jaxcnn.measure import time_steps
 from jaxcnn.models import build_model, cross_entropy
 from jaxcnn.sharding import build_mesh, get_layout
 from jaxcnn.sharding.mesh import simulate_cpu_devices
-from jaxcnn.train import build_program
 
 PROG = "compare_backends.py"
 KEEP, DEFAULT = "keep-freed", "glibc-default"  # host malloc: jaxcnn.host_memory's settings, or glibc's

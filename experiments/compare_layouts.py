@@ -18,9 +18,9 @@ from pathlib import Path
 import jax
 
 from jaxcnn import cli, plots, results
+from jaxcnn.analysis.measure import COMPARE_COLUMNS, add_speedups, measure_layout, measure_pipeline
 from jaxcnn.data import load_csv, parse_image_shape
 from jaxcnn.errors import UserError
-from jaxcnn.measure import COMPARE_COLUMNS, add_speedups, measure_layout, measure_pipeline
 from jaxcnn.sharding import LAYOUTS, get_layout, parse_mesh, resolve_mesh
 from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
 

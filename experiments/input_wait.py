@@ -24,13 +24,14 @@ from pathlib import Path
 import jax
 
 from jaxcnn import cli, results
+from jaxcnn.analysis.measure import time_steps
+from jaxcnn.build import build_program
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
-from jaxcnn.measure import time_steps
+from jaxcnn.fit import fit
 from jaxcnn.sharding import build_mesh, get_layout, parse_mesh, resolve_mesh
 from jaxcnn.sharding.mesh import simulate_cpu_devices
-from jaxcnn.train import build_program, fit
 
 PROG = "input_wait.py"
 COLUMNS = [

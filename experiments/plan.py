@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxcnn import cli, results
+from jaxcnn.analysis.hardware import PROFILES, get_profile, parse_bytes
+from jaxcnn.analysis.planner import FSDP_TP, explain, plan
 from jaxcnn.data import load_csv, parse_image_shape
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import get_layout
-from jaxcnn.sharding.hardware import PROFILES, get_profile, parse_bytes
 from jaxcnn.sharding.mesh import simulate_cpu_devices
-from jaxcnn.sharding.planner import FSDP_TP, explain, plan
 
 PROG = "plan.py"
 

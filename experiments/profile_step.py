@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from jaxcnn import cli, results
+from jaxcnn.analysis.profiling import profile_step
+from jaxcnn.build import build_program
 from jaxcnn.config import DTYPES, ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
-from jaxcnn.profiling import profile_step
 from jaxcnn.sharding import build_mesh, get_layout
 from jaxcnn.sharding.mesh import simulate_cpu_devices
-from jaxcnn.train import build_program
 
 PROG = "profile_step.py"
 SIZES = {"8": ((8, 8, 1), 64), "28": ((28, 28, 1), 128), "224": ((224, 224, 3), 8)}

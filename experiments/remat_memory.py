@@ -15,10 +15,10 @@ import dataclasses
 from pathlib import Path
 
 from jaxcnn import cli, plots, results
+from jaxcnn.analysis.measure import measure_layout
 from jaxcnn.config import REMAT_POLICIES
 from jaxcnn.data import parse_image_shape
 from jaxcnn.errors import UserError
-from jaxcnn.measure import measure_layout
 from jaxcnn.sharding import format_mesh
 
 PROG = "remat_memory.py"

@@ -21,16 +21,17 @@ from pathlib import Path
 import jax
 
 from jaxcnn import cli, plots, results
+from jaxcnn.analysis.cost import step_cost
+from jaxcnn.analysis.hardware import get_profile
+from jaxcnn.analysis.planner import comm_seconds
+from jaxcnn.analysis.verdicts import step_verdicts, verdict
+from jaxcnn.build import build_program
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
-from jaxcnn.scaling import step_verdicts, verdict
+from jaxcnn.fit import fit
 from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
-from jaxcnn.sharding.hardware import get_profile
-from jaxcnn.sharding.inspect import step_cost
 from jaxcnn.sharding.mesh import simulate_cpu_devices
-from jaxcnn.sharding.planner import comm_seconds
-from jaxcnn.train import build_program, fit
 
 PROG = "scaling.py"
 

@@ -53,12 +53,12 @@ def child(variant: str, size: str, steps: int) -> None:
     """Time one variant in this fresh process; print its step seconds as JSON."""
     import warnings
 
+    import jaxcnn.train
     import numpy as np
 
-    import jaxcnn.train
+    from jaxcnn.analysis.measure import time_steps
     from jaxcnn.compiling import CPU_STEP_OPTIONS, YNN_FUSION_TYPES
     from jaxcnn.config import ModelConfig, OptimConfig
-    from jaxcnn.measure import time_steps
     from jaxcnn.sharding import build_mesh, get_layout
 
     _, _, eigen, extra = VARIANTS[variant]

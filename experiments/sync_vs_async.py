@@ -16,11 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxcnn import cli, plots, results
-from jaxcnn.config import OptimConfig, TrainConfig, UpdateConfig
+from jaxcnn.analysis.hlo import collectives
+from jaxcnn.build import build_program
+from jaxcnn.config import OptimConfig, TrainConfig, UpdateConfig, total_steps
 from jaxcnn.data import load_csv
+from jaxcnn.fit import fit
 from jaxcnn.sharding import build_mesh, format_mesh
-from jaxcnn.sharding.inspect import collectives
-from jaxcnn.train import build_program, fit, total_steps
 
 PROG = "sync_vs_async.py"
 RULES = {

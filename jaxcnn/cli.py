@@ -212,6 +212,11 @@ def experiment_mesh(layout_name: str, mesh_text: str | None, outputs: list) -> t
     return layout, resolve_mesh(mesh_shape, len(jax.devices()))
 
 
+def configs_from_flags(args) -> tuple[ModelConfig, OptimConfig, TrainConfig, UpdateConfig]:
+    """The four configs a training run takes, each checked as it is built."""
+    return model_from_flags(args), optim_from_flags(args), train_from_flags(args), update_from_flags(args)
+
+
 def model_from_flags(args) -> ModelConfig:
     return ModelConfig(
         name=args.model,

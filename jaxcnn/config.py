@@ -180,3 +180,26 @@ class TrainConfig:
     def batch_sizes(self) -> tuple[int, ...]:
         """Every global batch the run uses, in order (one compiled program each)."""
         return tuple(dict.fromkeys(b for _, b in self.batch_schedule)) or (self.batch_size,)
+
+
+def epoch_steps(train_size: int, config: TrainConfig) -> list[int]:
+    """Optimizer steps in each epoch that runs (a batch schedule changes them; `max_steps` cuts them)."""
+    steps, left = [], config.max_steps
+    for epoch in range(config.epochs):
+        batch = config.batch_for_epoch(epoch)
+        per_epoch = train_size // batch
+        if per_epoch == 0:
+            raise UserError(
+                f"--batch-size {batch} is larger than the {train_size} training images; use a smaller batch"
+            )
+        if left is not None:
+            per_epoch = min(per_epoch, left)
+            left -= per_epoch
+        if per_epoch == 0:
+            break
+        steps.append(per_epoch)
+    return steps
+
+
+def total_steps(train_size: int, config: TrainConfig) -> int:
+    return sum(epoch_steps(train_size, config))

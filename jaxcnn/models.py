@@ -185,7 +185,7 @@ class CNN(nnx.Module):
 def build_model(config: ModelConfig, image_shape: tuple[int, int, int], seed: int) -> CNN:
     """A CNN with initial weights from `seed`. Call it under `jax.jit`/`nnx.eval_shape` to
     create state where it will live: jaxcnn never builds the model on one device and then
-    scatters it (`jaxcnn.train.init_state` does that with out_shardings)."""
+    scatters it (`jaxcnn.spmd` jits `init` with out_shardings)."""
     with nnx.use_eager_sharding(False):  # placement comes from the layout, not from flax
         return CNN(config, image_shape, rngs=nnx.Rngs(params=seed))
 

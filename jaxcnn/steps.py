@@ -1,7 +1,7 @@
 """The train step's update rules: plain, gradient accumulation, local SGD, stale gradients.
 
 Every variant is one pure function `(state, images, labels) -> (state, metrics)` that
-`jaxcnn.train.build_program` jits with the layout's shardings, so each works under every
+`jaxcnn.spmd.build_spmd_program` jits with the layout's shardings, so each works under every
 layout unchanged. What differs is where the gradient reduction over the batch axes sits:
 
 - plain (`grad_accum=1`, `sync="allreduce"`): XLA all-reduces the gradients once.
@@ -58,10 +58,6 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return nnx.split(model, nnx.Param, ...)
 
 
-def _mesh_axes(target) -> tuple[str, ...]:
-    return (target,) if isinstance(target, str) else tuple(target or ())
-
-
 @dataclass(frozen=True)
 class UpdatePlan:
     """How the configured update rule maps onto this layout and mesh."""
@@ -85,10 +81,12 @@ class UpdatePlan:
         return np.arange(batch_size).reshape(k, d, batch_size // (k * d)).transpose(1, 0, 2).reshape(-1)
 
 
-def plan_updates(config: UpdateConfig, layout: Layout, mesh: Mesh, batch_size: int) -> UpdatePlan:
-    """Check that the update rule fits the layout, mesh and batch; say how it maps."""
-    live = [a for a in _mesh_axes(layout.lookup(ax.BATCH)[1]) if mesh.shape.get(a, 1) > 1]
-    param_axes = {a for name, target in layout.rules if name not in ax.ACTIVATION_AXES for a in _mesh_axes(target)}
+def plan_updates(config: UpdateConfig, layout: Layout, mesh: Mesh) -> UpdatePlan:
+    """Check that the update rule fits the layout and mesh; say how it maps. (The batch's
+    divisibility is `jaxcnn.sharding.mesh.ParallelDims.validate`'s.)"""
+    batch_axes = layout.axes_for(ax.BATCH) or ()
+    live = [a for a in batch_axes if mesh.shape.get(a, 1) > 1]
+    param_axes = {a for _, axes in layout.params for a in axes} | set(layout.fsdp)
     if config.local:
         # a replica is a group of devices holding whole parameters: axes the batch is split
         # over but no parameter is (FSDP's axis holds shards of one replica, not replicas)
@@ -101,16 +99,7 @@ def plan_updates(config: UpdateConfig, layout: Layout, mesh: Mesh, batch_size: i
     else:
         groups_axes = tuple(live)
     groups = math.prod(mesh.shape[a] for a in groups_axes)
-    if config.grad_accum > 1 or config.local:
-        per_group = batch_size // groups
-        if batch_size % groups or per_group % config.grad_accum:
-            raise UserError(
-                f"global batch {batch_size} does not split into {groups} data shards x {config.grad_accum} "
-                f"micro-batches; use a batch that is a multiple of {groups * config.grad_accum}"
-            )
-    remaining = tuple(a for a in _mesh_axes(layout.lookup(ax.BATCH)[1]) if a not in groups_axes)
-    inner_rules = tuple((name, (remaining or None) if name == ax.BATCH else target) for name, target in layout.rules)
-    inner = dataclasses.replace(layout, rules=inner_rules)
+    inner = layout.with_batch_axes(tuple(a for a in batch_axes if a not in groups_axes))
     return UpdatePlan(config, groups_axes, groups, inner)
 
 

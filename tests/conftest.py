@@ -73,9 +73,9 @@ def compiled_program(
     optim=None,
 ):  # fmt: skip
     """One compiled program per configuration for the whole session (tests share them)."""
+    from jaxcnn.build import build_program
     from jaxcnn.config import UpdateConfig
     from jaxcnn.sharding import build_mesh
-    from jaxcnn.train import build_program
 
     image_shape = image_shape or bundled_digits().image_shape
     update = None if update == UpdateConfig() else update  # the default shares the plain programs
@@ -93,7 +93,7 @@ def train_losses(
 ):
     """Train `steps` steps on the bundled digits; return (per-step losses, final state, program)."""
     from jaxcnn.config import TrainConfig
-    from jaxcnn.train import fit
+    from jaxcnn.fit import fit
 
     data = data or bundled_digits()
     config = TrainConfig(batch_size=batch_size, epochs=1, max_steps=steps, seed=seed)

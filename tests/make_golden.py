@@ -17,10 +17,10 @@ import json
 import warnings
 from pathlib import Path
 
+from jaxcnn.analysis.lint import ShardingReport, golden_table
+from jaxcnn.build import plan_placements
 from jaxcnn.config import ModelConfig
 from jaxcnn.sharding import LAYOUTS, build_mesh, parse_mesh, resolve_mesh
-from jaxcnn.sharding.lint import ShardingReport, golden_table
-from jaxcnn.train import plan_placements
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 DEVICES = 8

@@ -15,10 +15,10 @@ import pytest
 from conftest import REPO, load_train_module
 
 from jaxcnn import cli
+from jaxcnn.build import build_program
 from jaxcnn.checkpoint import Checkpointer, arrays_equal
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.sharding import build_mesh, get_layout
-from jaxcnn.train import build_program
 
 TINY = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32", "--quiet"]
 

@@ -10,9 +10,9 @@ import pytest
 from conftest import TINY_BN_DROPOUT, TINY_PLAIN, compiled_program
 from jax.sharding import NamedSharding
 
+from jaxcnn.analysis.hlo import collectives, kinds_seen
+from jaxcnn.analysis.lint import classify, lint
 from jaxcnn.sharding import get_layout
-from jaxcnn.sharding.inspect import collectives, kinds_seen
-from jaxcnn.sharding.lint import classify, lint
 
 BATCH = 32
 

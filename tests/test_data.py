@@ -199,7 +199,7 @@ def timed_program():
 
 def _run(timed_program, delay: float):
     from jaxcnn.config import TrainConfig
-    from jaxcnn.train import fit
+    from jaxcnn.fit import fit
 
     program, data = timed_program
     config = TrainConfig(batch_size=IDLE_BATCH, epochs=1, max_steps=IDLE_STEPS)
@@ -213,7 +213,7 @@ def _with_loader(timed_program, delay_in_steps: float):
     and after the fit (their mean: the machine's load moves it)."""
     import statistics
 
-    from jaxcnn.measure import time_steps
+    from jaxcnn.analysis.measure import time_steps
 
     program, data = timed_program
 
@@ -227,7 +227,7 @@ def _with_loader(timed_program, delay_in_steps: float):
 
 
 def test_a_loader_slower_than_the_step_idles_the_devices_by_the_difference(timed_program):
-    from jaxcnn.scaling import verdict
+    from jaxcnn.analysis.verdicts import verdict
 
     attempts = []
     for _ in range(3):  # other work on the machine moves the step time under a measurement: retry
@@ -245,7 +245,7 @@ def test_a_loader_slower_than_the_step_idles_the_devices_by_the_difference(timed
 
 
 def test_a_loader_faster_than_the_step_idles_the_devices_about_never(timed_program):
-    from jaxcnn.scaling import verdict
+    from jaxcnn.analysis.verdicts import verdict
 
     _, fast = _with_loader(timed_program, 0.5)
     # only the first batch is waited for: 4% with 12 steps. (The figure before issue 15, the

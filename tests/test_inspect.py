@@ -8,10 +8,11 @@ digits, batch 32.
 import pytest
 from conftest import TINY_BN_DROPOUT, TINY_PLAIN, compiled_program
 
+from jaxcnn.analysis.comm_model import comm_terms, summarise
+from jaxcnn.analysis.cost import step_cost
+from jaxcnn.analysis.hlo import collective_summary, collectives
 from jaxcnn.config import ModelConfig
 from jaxcnn.sharding import get_layout
-from jaxcnn.sharding.comm_model import comm_terms, summarise
-from jaxcnn.sharding.inspect import collective_summary, collectives, step_cost
 
 PARAM_BYTES = 3_658 * 4
 

@@ -5,10 +5,10 @@ import warnings
 
 from conftest import TINY_PLAIN, compiled_program, load_train_module
 
+from jaxcnn.analysis.lint import format_report, lint, lint_program
+from jaxcnn.build import plan_placements
 from jaxcnn.config import ModelConfig
-from jaxcnn.sharding import build_mesh, get_layout, parse_rules
-from jaxcnn.sharding.lint import format_report, lint
-from jaxcnn.train import plan_placements
+from jaxcnn.sharding import build_mesh, get_layout, parse_rules, quiet_fallbacks
 
 ONE_BLOCK = ModelConfig(name="cnn2d_1layer_fullconnected_2layer", conv_features=(8,), dense_features=(32,), norm="none")
 
@@ -50,21 +50,20 @@ def test_fallbacks_are_reported_and_shown_in_the_table():
 def test_an_all_gather_of_activations_under_tp_is_flagged():
     # Split conv 1's *output* channels and nothing after it: the flatten must then gather
     # the activation whole -- the mistake column -> row pairs exist to avoid.
-    wrong = dataclasses.replace(get_layout("tp"), rules=(("conv_in", "model"),))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # conv 0's single input channel cannot split: noted, fine
+    wrong = dataclasses.replace(get_layout("tp"), params=(("conv_in", ("model",)),))
+    with quiet_fallbacks():  # conv 0's single input channel cannot split: noted, fine
         program = compiled_program(wrong, {"model": 2}, TINY_PLAIN, steps=10)
-    report = lint(program.layout, program.mesh, program.placements, program.train_step)
+    report = lint_program(program)
     flagged = [w for w in report.warnings if "did not expect" in w and "all-gather of activations" in w]
     assert flagged, report.warnings
     right = compiled_program(get_layout("tp"), {"model": 2}, TINY_PLAIN, steps=10)
-    assert not [w for w in lint(right.layout, right.mesh, right.placements, right.train_step).warnings]
+    assert not [w for w in lint_program(right).warnings]
 
 
 def test_user_tables_are_linted_for_rules_but_not_for_collectives():
     layout = parse_rules("batch=data,conv_out=model")
     program = compiled_program(layout, {"data": 4, "model": 2}, TINY_PLAIN, steps=10)
-    report = lint(program.layout, program.mesh, program.placements, program.train_step)
+    report = lint_program(program)
     assert report.collectives and not [w for w in report.warnings if "did not expect" in w]
 
 

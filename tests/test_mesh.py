@@ -66,11 +66,12 @@ def test_layout_names_are_the_contract():
 
 def test_user_rules_table():
     layout = parse_rules("batch=data,conv_out=model,mlp=model,embed=none,height=data+spatial")
-    assert layout.lookup("conv_out") == (True, "model")
-    assert layout.lookup("embed") == (True, None)
-    assert layout.lookup("height") == (True, ("data", "spatial"))
-    assert layout.lookup("classes") == (False, None)
-    assert layout.mesh_axes == ("data", "model", "spatial")
+    assert layout.axes_for("conv_out") == ("model",)
+    assert layout.axes_for("embed") == ()
+    assert layout.axes_for("height") == ("data", "spatial")
+    assert layout.axes_for("classes") is None
+    assert layout.mesh_axes == ("data", "spatial", "model")
+    assert layout.default_mesh == "data=-1,spatial=1,model=1"
 
 
 @pytest.mark.parametrize(

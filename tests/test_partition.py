@@ -6,11 +6,11 @@ from conftest import TINY_BN_DROPOUT
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxcnn.build import build_program
 from jaxcnn.config import OptimConfig
 from jaxcnn.errors import UserError
-from jaxcnn.sharding import ShardingWarning, build_mesh, get_layout, param_spec, parse_rules
-from jaxcnn.sharding.partition import activation_spec, data_sharding
-from jaxcnn.train import build_program
+from jaxcnn.sharding import ParallelDims, ShardingWarning, build_mesh, get_layout, param_spec, parse_rules
+from jaxcnn.sharding.partition import activation_spec
 
 
 def _leaves(tree):
@@ -83,16 +83,29 @@ def test_activation_names_outside_the_table_stay_unconstrained():
 
 
 def test_batch_that_does_not_divide_the_data_axis_is_rejected():
+    dims = ParallelDims(get_layout("dp"), {"data": 8})
     with pytest.raises(
         UserError, match="global batch of 100 is not divisible by mesh axes data=8; use a multiple of 8"
     ):
-        data_sharding(("batch",), (100,), get_layout("dp"), build_mesh({"data": 8}), "global batch")
+        dims.validate(100)
+    with pytest.raises(UserError, match="eval batch of 20 is not divisible"):
+        dims.validate(96, eval_batch_size=20)
+    with pytest.raises(UserError, match="global batch 96 does not split into 8 data shards x 5 micro-batches"):
+        dims.validate(96, grad_accum=5)
 
 
-def test_image_height_that_does_not_divide_the_spatial_axis_is_rejected_at_the_jit_boundary():
-    layout, mesh = get_layout("spatial"), build_mesh({"data": 2, "spatial": 4})
+def test_image_height_that_does_not_divide_the_spatial_axis_is_rejected_before_compiling():
+    dims = ParallelDims(get_layout("spatial"), {"data": 2, "spatial": 4})
     with pytest.raises(UserError, match="image height 6 is not divisible by mesh axes spatial=4"):
-        data_sharding(("batch", "height", "width", "channels"), (8, 6, 6, 1), layout, mesh, "global batch")
+        dims.validate(8, image_shape=(6, 6, 1))
+
+
+def test_pipeline_micro_batches_must_divide_the_batch_and_split_over_data():
+    dims = ParallelDims(get_layout("pipeline"), {"data": 2, "stage": 4})
+    with pytest.raises(UserError, match="--microbatches 5 must divide the global batch 64"):
+        dims.validate(64, microbatches=5)
+    with pytest.raises(UserError, match=r"a micro-batch of 1 \(64/64\) does not split over data=2"):
+        dims.validate(64, microbatches=64)
 
 
 def test_fsdp_shards_the_largest_divisible_dim_of_tensors_over_the_threshold():

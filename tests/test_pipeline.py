@@ -9,19 +9,14 @@ import numpy as np
 import pytest
 from conftest import TINY_PLAIN, bundled_digits, train_losses
 
+from jaxcnn.analysis.measure import measure_layout
+from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
 from jaxcnn.errors import UserError
-from jaxcnn.measure import measure_pipeline
-from jaxcnn.models import build_model, cross_entropy
+from jaxcnn.fit import fit
+from jaxcnn.models import build_model, count_params, cross_entropy
+from jaxcnn.pipeline.split import balance, default_microbatches, stage_groups
 from jaxcnn.sharding import build_mesh, get_layout
-from jaxcnn.sharding.pipeline import (
-    balance,
-    build_pipeline_program,
-    default_microbatches,
-    pipeline_transfer_bytes,
-    stage_groups,
-)
-from jaxcnn.train import fit
 
 STEPS = 10
 PIPELINE = get_layout("pipeline")
@@ -32,7 +27,7 @@ def pipeline_run(mesh, microbatches, model=TINY_PLAIN, steps=STEPS):
     key = (tuple(mesh.items()), microbatches, model, steps)
     if key not in _CACHE:
         data = bundled_digits()
-        program = build_pipeline_program(
+        program = build_program(
             model, OptimConfig(learning_rate=1e-2, warmup_steps=2), PIPELINE, build_mesh(mesh), data.image_shape, 32,
             steps, microbatches=microbatches, with_eval=False,
         )  # fmt: skip
@@ -57,11 +52,12 @@ CASES = [(mesh, m) for s in (2, 4) for mesh in ({"stage": s}, {"data": 2, "stage
 def test_pipeline_matches_single_device(single, mesh, microbatches):
     reference, ref_state, _ = single
     losses, state, program = pipeline_run(mesh, microbatches)
-    assert program.microbatches == microbatches and len(program.groups) == mesh["stage"]
+    assert program.record["microbatches"] == microbatches and len(program.stages) == mesh["stage"]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     # final parameters: stage s holds exactly the single-device model's layers of group s
     reference_params = {_keys(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(ref_state.params)}
-    for stage, group in zip(state.stages, program.groups, strict=True):
+    groups = [range(g[0], g[-1] + 1) for g in program.record["stages"]]
+    for stage, group in zip(state.stages, groups, strict=True):
         for path, leaf in jax.tree_util.tree_leaves_with_path(stage.params):
             np.testing.assert_allclose(
                 np.asarray(leaf), np.asarray(reference_params[_global(path, group)]), rtol=1e-4, atol=1e-6
@@ -83,7 +79,7 @@ def _global(path, group):
 def test_accumulated_gradients_equal_a_sequential_reference():
     """One pipeline step's gradients (S=2, M=4) against jax.grad of the whole model."""
     data = bundled_digits()
-    program = build_pipeline_program(
+    program = build_program(
         TINY_PLAIN, OptimConfig(name="sgd", learning_rate=1.0, schedule="constant", warmup_steps=0, momentum=0.0),
         PIPELINE, build_mesh({"stage": 2}), data.image_shape, 32, 1, microbatches=4, with_eval=False,
     )  # fmt: skip
@@ -120,7 +116,7 @@ def test_accumulated_gradients_equal_a_sequential_reference():
 def test_each_stage_holds_only_its_parameters():
     _, state, program = pipeline_run({"stage": 4}, 8)
     whole = sum(program.stage_param_bytes)
-    assert whole == 3_658 * 4  # every parameter, once
+    assert whole == 4 * count_params(build_model(TINY_PLAIN, (8, 8, 1), 0))  # every parameter, once
     for stage, bytes_ in zip(state.stages, program.stage_param_bytes, strict=True):
         held = sum(leaf.nbytes for leaf in jax.tree.leaves(stage.params))
         assert held == bytes_ < whole
@@ -129,7 +125,7 @@ def test_each_stage_holds_only_its_parameters():
     assert len({d for s in state.stages for leaf in jax.tree.leaves(s.params) for d in leaf.sharding.device_set}) == 4
     assert program.bubble_fraction == pytest.approx(3 / 11)
     # activations 32/8 x (4x4x8, 2x2x16, 32), forward and gradient, per step
-    assert pipeline_transfer_bytes(program) == 2 * 8 * 4 * 4 * (128 + 64 + 32)
+    assert program.record["bytes_between_stages_per_step"] == 2 * 8 * 4 * 4 * (128 + 64 + 32)
 
 
 def test_balanced_split_and_user_split():
@@ -155,7 +151,7 @@ def test_balanced_split_and_user_split():
 def test_bad_pipeline_settings_are_refused(kwargs, message):
     mesh = kwargs.pop("mesh", {"stage": 2})
     with pytest.raises(UserError, match=message.replace("(", "\\(").replace(")", "\\)")):
-        build_pipeline_program(TINY_PLAIN, OptimConfig(), PIPELINE, build_mesh(mesh), (8, 8, 1), 32, 10, **kwargs)
+        build_program(TINY_PLAIN, OptimConfig(), PIPELINE, build_mesh(mesh), (8, 8, 1), 32, 10, **kwargs)
 
 
 def test_default_microbatches_keep_batch_norm_statistics_meaningful():
@@ -167,10 +163,10 @@ def test_default_microbatches_keep_batch_norm_statistics_meaningful():
 
 @pytest.mark.parametrize("mesh", [{"stage": 2}, {"data": 2, "stage": 2}])
 def test_pipeline_compare_row_measures_what_the_layer_shapes_predict(mesh):
-    row = measure_pipeline(TINY_PLAIN, PIPELINE, mesh, (8, 8, 1), 32, microbatches=4)
+    row = measure_layout(TINY_PLAIN, PIPELINE, mesh, (8, 8, 1), 32, microbatches=4)
     assert row["bytes_between_stages"] > 0 and row["bubble_fraction"] == pytest.approx(1 / 5)
     assert row["comm_bytes"] == pytest.approx(row["comm_bytes_model"], rel=0.10)
-    assert row["param_bytes_per_device"] < 3_658 * 4  # no stage holds the whole model
+    assert row["param_bytes_per_device"] < 4 * count_params(build_model(TINY_PLAIN, (8, 8, 1), 0))  # no stage holds all
 
 
 def test_train_script_runs_the_pipeline_and_records_it(tmp_path, capsys):
@@ -194,6 +190,6 @@ def test_remat_and_bfloat16_reach_the_pipeline_stages():
     rematted = pipeline_run(mesh, 2, dataclasses.replace(TINY_PLAIN, remat="full"))
     np.testing.assert_allclose(rematted[0], plain[0], rtol=1e-5)
     bf16 = pipeline_run(mesh, 2, dataclasses.replace(TINY_PLAIN, dtype="bfloat16"))
-    hlo = "\n".join(c.as_text() for stage in bf16[2].stage_programs for c in stage.values() if hasattr(c, "as_text"))
+    hlo = "\n".join(part.compiled.as_text() for stage in bf16[2].stages for part in stage)
     assert any("bf16" in line and "convolution" in line for line in hlo.splitlines())
     np.testing.assert_allclose(bf16[0], plain[0], rtol=3e-2)

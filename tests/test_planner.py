@@ -2,11 +2,11 @@
 
 import pytest
 
+from jaxcnn.analysis.hardware import get_profile, parse_bytes
+from jaxcnn.analysis.planner import candidates_for, explain, plan, rank
+from jaxcnn.analysis.verdicts import step_verdicts, verdict
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
-from jaxcnn.scaling import step_verdicts, verdict
-from jaxcnn.sharding.hardware import get_profile, parse_bytes
-from jaxcnn.sharding.planner import candidates_for, explain, plan, rank
 
 # dense-heavy, so parameters + Adam state (not activations) decide what fits
 WIDE = ModelConfig(name="cnn2d_2layer_fullconnected_2layer", conv_features=(8, 16), dense_features=(2048,), norm="none")

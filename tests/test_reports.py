@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from conftest import REPO, load_script
 
-from jaxcnn.measure import COMPARE_COLUMNS
+from jaxcnn.analysis.measure import COMPARE_COLUMNS
 
 TINY_FLAGS = [
     "--model",

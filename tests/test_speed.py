@@ -15,11 +15,11 @@ import pytest
 from conftest import REPO, TINY_BN_DROPOUT, load_script
 
 from jaxcnn import cli
+from jaxcnn.analysis.profiling import hlo_ops
+from jaxcnn.build import build_program
 from jaxcnn.compiling import YNN_FUSION_TYPES, compile_with, cpu_step_options
 from jaxcnn.config import ModelConfig, OptimConfig
-from jaxcnn.profiling import hlo_ops
 from jaxcnn.sharding import build_mesh, get_layout
-from jaxcnn.train import build_program
 
 # A program with a 64 MiB temporary (the first matmul's result) and a small output: the
 # shape of a train step's buffers. Prints the median page faults of 20 warm calls: the

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from conftest import TINY_BN_DROPOUT, TINY_PLAIN, bundled_digits, compiled_program, train_losses
 
+from jaxcnn.analysis.hlo import collectives
+from jaxcnn.analysis.measure import measure_layout
 from jaxcnn.autobatch import largest_batch
-from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig
+from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig, epoch_steps
 from jaxcnn.data import train_batches
 from jaxcnn.errors import UserError
-from jaxcnn.measure import measure_layout
+from jaxcnn.fit import fit
 from jaxcnn.optim import make_schedule, optim_for_batch
 from jaxcnn.sharding import build_mesh, get_layout
-from jaxcnn.sharding.inspect import collectives
 from jaxcnn.steps import StepContext, loss_and_grads
-from jaxcnn.train import epoch_steps, fit
 
 STEPS = 10
 LAYOUTS = [("dp", {"data": 8}), ("hybrid", {"data": 4, "model": 2})]
@@ -232,7 +232,7 @@ def test_auto_batch_reads_compiled_memory():
     """The answer's compiled step fits; the next allowed batch's does not."""
     from conftest import load_train_module
 
-    from jaxcnn.sharding.inspect import step_cost
+    from jaxcnn.analysis.cost import step_cost
 
     module = load_train_module()
     layout, mesh = get_layout("dp"), build_mesh({"data": 8})

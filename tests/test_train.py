@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from conftest import TINY_BN_DROPOUT, TINY_PLAIN, train_losses
 
-from jaxcnn.config import OptimConfig, TrainConfig
+from jaxcnn.config import OptimConfig, TrainConfig, epoch_steps
 from jaxcnn.errors import UserError
+from jaxcnn.fit import Resume, diverged_at
 from jaxcnn.optim import make_optimizer, make_schedule
 from jaxcnn.sharding import get_layout
-from jaxcnn.train import Resume, _restored_rows, diverged_at, epoch_steps
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_epoch_rows_missing_from_an_older_checkpoint_are_rebuilt_from_its_histor
     resumed run rebuilds it from the loss and accuracy histories (test figures unknown)."""
     first = {"epoch": 1, "step": 2, "train_loss": 9.0}  # as recorded: kept as it is
     resume = Resume(step=4, loss_history=[3.0, 1.0, 0.5, 0.25], accuracy_history=[0.1, 0.2, 0.6, 0.8], epochs=[first])
-    rows = _restored_rows([2, 2, 2], resume, TrainConfig(batch_size=8, epochs=3))
+    rows = resume.rows([2, 2, 2], TrainConfig(batch_size=8, epochs=3))
     assert [r["epoch"] for r in rows] == [1, 2] and rows[0] is first
     assert rows[1]["step"] == 4 and rows[1]["train_loss"] == 0.375 and rows[1]["train_accuracy"] == 0.7
     assert rows[1]["test_accuracy"] is None and rows[1]["images_per_second"] is None

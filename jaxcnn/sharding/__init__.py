@@ -1,12 +1,9 @@
-"""Sharding helpers: logical axes, meshes, layouts (rules tables), partitioning, and the
-tools that read a compiled program back: inspector, analytic model, lint, planner."""
+"""Layouts and their placement: logical axes, meshes, layouts (typed rules tables),
+partitioning. Nothing here knows a model, an optimizer or a training loop; the tools that
+read a compiled program back live in `jaxcnn.analysis`."""
 
-from jaxcnn.sharding.comm_model import CommTerm, comm_terms, summarise
-from jaxcnn.sharding.hardware import PROFILES, HardwareProfile, get_profile
-from jaxcnn.sharding.inspect import Collective, StepCost, collective_summary, collectives, step_cost
-from jaxcnn.sharding.layouts import LAYOUTS, Layout, get_layout, parse_rules
-from jaxcnn.sharding.lint import ShardingReport, format_report, lint
-from jaxcnn.sharding.mesh import build_mesh, format_mesh, parse_mesh, resolve_mesh, simulate_cpu_devices
+from jaxcnn.sharding.layouts import LAYOUTS, Layout, compose, get_layout, parse_rules
+from jaxcnn.sharding.mesh import ParallelDims, build_mesh, format_mesh, parse_mesh, resolve_mesh, simulate_cpu_devices
 from jaxcnn.sharding.partition import (
     ParamPlacement,
     ShardingWarning,
@@ -16,42 +13,28 @@ from jaxcnn.sharding.partition import (
     data_sharding,
     param_spec,
     place_variables,
+    quiet_fallbacks,
 )
-from jaxcnn.sharding.planner import Candidate, explain, plan
 
 __all__ = [
     "LAYOUTS",
-    "PROFILES",
-    "Candidate",
-    "Collective",
-    "CommTerm",
-    "HardwareProfile",
     "Layout",
+    "ParallelDims",
     "ParamPlacement",
-    "ShardingReport",
     "ShardingWarning",
-    "StepCost",
     "activation_layout",
     "activation_spec",
     "build_mesh",
-    "collective_summary",
-    "collectives",
-    "comm_terms",
+    "compose",
     "constrain",
     "data_sharding",
-    "explain",
     "format_mesh",
-    "format_report",
     "get_layout",
-    "get_profile",
-    "lint",
     "param_spec",
     "parse_mesh",
     "parse_rules",
     "place_variables",
-    "plan",
+    "quiet_fallbacks",
     "resolve_mesh",
     "simulate_cpu_devices",
-    "step_cost",
-    "summarise",
 ]

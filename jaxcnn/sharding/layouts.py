@@ -1,95 +1,130 @@
-"""Named layouts: a parallel strategy is a rules table from logical axes to mesh axes.
+"""Named layouts: a parallel strategy is a table from logical axes to mesh axes.
 
-A layout is data, not code. Adding a strategy means adding a `Layout` row to `LAYOUTS`
-(or passing `--layout-rules`), never a new code path in the model or the trainer.
+A layout is data, not code. Adding a strategy means adding a `Layout` to `LAYOUTS` (or
+passing `--layout-rules`), never a new code path in the model or the trainer.
 
-Rule semantics (applied by `jaxcnn.sharding.partition`):
-- a logical name mapped to a mesh axis (or a tuple of axes) is split over it;
-- mapped to None, it is replicated;
-- absent from the table: parameters are replicated, activations are left to XLA's
-  propagation (`PartitionSpec.UNCONSTRAINED`), so a table only has to name what it splits;
-- the special key `params` is FSDP (ZeRO-3): every parameter of at least
-  `fsdp_min_bytes` is also split over that mesh axis along its largest dimension the
-  axis divides (and is not already split); optimizer state follows its parameter.
+A table has three parts, applied by `jaxcnn.sharding.partition`:
+- `params`: parameter logical axes (kh, conv_out, mlp, ...) -> the mesh axes they are
+  split over; a name not in it is replicated;
+- `activations`: activation logical axes (batch, height, ...) -> mesh axes; `()` pins
+  one whole, and a name not in it is left to XLA's propagation (UNCONSTRAINED), so a
+  table only has to name what it splits;
+- `fsdp`: ZeRO-3 -- every parameter of at least `fsdp_min_bytes` is also split over these
+  mesh axes along its largest dimension they divide (and that is not already split);
+  optimizer state follows its parameter. For compute the parameters are gathered: that
+  placement is `compute_layout()`, the same table without `fsdp`.
 
 Notation (scaling book, "How to Scale Your Model"): `X[B_D,H,W,C]` is an activation
 whose batch is split over mesh axis D(ata); M = model, S = spatial.
+- single:   X[B,H,W,C], W[Kh,Kw,Cin,Cout] -- the baseline every layout must match
+- dp:       X[B_D,H,W,C], W replicated, gradients all-reduced
+- fsdp:     X[B_D,H,W,C], W[Kh,Kw,Cin,Cout_D] (largest divisible dim), optimizer state likewise
+- tp:       W1[Kh,Kw,Cin,Cout_M] -> X[B,H,W,C_M] -> W2[Kh,Kw,Cin_M,Cout] -> all-reduce; dense likewise
+- hybrid:   dp's table and tp's together: X[B_D,...], W1[...,Cout_M], W2[...,Cin_M,...]
+- spatial:  X[B_D,H_S,W,C], W replicated; 3x3 convs exchange one halo row each way
+- pipeline: stage s holds the layers of group s (jaxcnn.pipeline); X[B_D,...] within a stage
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import axes as ax
 
-MeshAxes = str | tuple[str, ...] | None
-Rules = tuple[tuple[str, MeshAxes], ...]
+MeshAxes = tuple[str, ...]  # () = not split (replicated / pinned whole)
+Table = tuple[tuple[str, MeshAxes], ...]
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Mesh axes + a logical-axis rules table, and how to read it."""
+    """A typed rules table (module docstring) and what the lint may expect of it."""
 
     name: str
-    rules: Rules
-    default_mesh: str  # used when --mesh is not given; -1 fills the devices
-    notation: str  # scaling-book notation of what is split
-    summary: str
+    params: Table = ()
+    activations: Table = ()
+    fsdp: MeshAxes = ()
+    default_mesh: str = "data=1"  # used when --mesh is not given; -1 fills the devices
     # (collective kind, "param" | "activation") pairs the compiled train step may contain;
-    # the lint reports any other (jaxcnn.sharding.lint). None: no expectation (user tables).
+    # the lint reports any other (jaxcnn.analysis.lint). None: no expectation (user tables).
     expected_collectives: frozenset[tuple[str, str]] | None = None
     # FSDP threshold: smaller parameters stay replicated -- gathering a few KiB costs a
     # collective's fixed latency (~10 us on GPUs) and saves almost no memory.
     fsdp_min_bytes: int = 4096
-    # Pipeline: the mesh axis whose indices are stages (jaxcnn.sharding.pipeline), else None.
+    # Pipeline: the mesh axis whose indices are stages (jaxcnn.pipeline), else None.
     stage_axis: str | None = None
 
-    def lookup(self, logical: str | None) -> tuple[bool, MeshAxes]:
-        """(is the name in the table, the mesh axes it maps to)."""
-        for name, target in self.rules:
+    def axes_for(self, logical: str | None) -> MeshAxes | None:
+        """The mesh axes a logical axis is split over; () whole; None: not in the table."""
+        for name, axes in (*self.params, *self.activations):
             if name == logical:
-                return True, target
-        return False, None
+                return axes
+        return None
+
+    def degree(self, logical: str, mesh_shape: dict[str, int]) -> int:
+        """Into how many parts `logical` is split on a mesh of this shape."""
+        degree = 1
+        for axis in self.axes_for(logical) or ():
+            degree *= mesh_shape.get(axis, 1)
+        return degree
+
+    def compute_layout(self) -> Layout:
+        """Where parameters live while computing: FSDP's split undone (gathered)."""
+        return replace(self, fsdp=())
+
+    def with_batch_axes(self, axes: MeshAxes) -> Layout:
+        """The same table with the batch split over `axes` instead."""
+        return replace(self, activations=_set(self.activations, ax.BATCH, axes))
 
     @property
-    def optional_axes(self) -> tuple[str, ...]:
+    def rules(self) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+        """The table as the user writes it (`--layout-rules`): name -> axis, axes or None."""
+        flat = (*self.params, *((ax.PARAMS, self.fsdp),) * bool(self.fsdp), *self.activations)
+        return tuple((name, axes[0] if len(axes) == 1 else (axes or None)) for name, axes in flat)
+
+    @property
+    def mesh_axes(self) -> MeshAxes:
+        """Mesh axes the table refers to, in first-use order: the stage axis, then the
+        activations' (the batch's first), the parameters', FSDP's."""
+        seen = [self.stage_axis] if self.stage_axis else []
+        for _, axes in (*self.activations, *self.params, ("", self.fsdp)):
+            seen += [a for a in axes if a not in seen]
+        return tuple(seen)
+
+    @property
+    def optional_axes(self) -> MeshAxes:
         """Axes a mesh may leave out: a pipeline runs with or without a data axis."""
         return tuple(a for a in self.mesh_axes if a != self.stage_axis) if self.stage_axis else ()
 
-    @property
-    def mesh_axes(self) -> tuple[str, ...]:
-        """Mesh axes the rules refer to, in first-use order."""
-        seen: list[str] = [self.stage_axis] if self.stage_axis else []
-        for _, target in self.rules:
-            for axis in (target,) if isinstance(target, str) else (target or ()):
-                if axis not in seen:
-                    seen.append(axis)
-        return tuple(seen)
+
+def _set(table: Table, name: str, axes: MeshAxes) -> Table:
+    """`table` with `name` mapped to `axes` (replaced where present, else added)."""
+    return tuple({**dict(table), name: axes}.items())
 
 
-REPLICATED_ACTIVATIONS: Rules = tuple((name, None) for name in (ax.HEIGHT, ax.WIDTH, ax.CHANNELS, ax.FEATURES))
+def compose(name: str, *layouts: Layout, default_mesh: str, expected: frozenset | None = None) -> Layout:
+    """One table holding every rule of `layouts` (a logical axis given two ways is an error)."""
+    params: dict[str, MeshAxes] = {}
+    activations: dict[str, MeshAxes] = {}
+    for layout in layouts:
+        for table, into in ((layout.params, params), (layout.activations, activations)):
+            for logical, axes in table:
+                if into.setdefault(logical, axes) != axes:
+                    raise ValueError(f"{name}: {logical} is split over {into[logical]} and {axes}")
+    fsdp = tuple(dict.fromkeys(a for layout in layouts for a in layout.fsdp))
+    return Layout(name, tuple(params.items()), tuple(activations.items()), fsdp, default_mesh, expected)
 
 
 def _expect(*pairs: str) -> frozenset[tuple[str, str]]:
     return frozenset(tuple(pair.split(":")) for pair in pairs)
 
 
-SINGLE = Layout(
-    name="single",
-    rules=(),
-    default_mesh="data=1",
-    notation="X[B,H,W,C], W[Kh,Kw,Cin,Cout]",
-    summary="one device, nothing split: the baseline every other layout must match",
-    expected_collectives=frozenset(),
-)
+SINGLE = Layout(name="single", default_mesh="data=1", expected_collectives=frozenset())
 
 DP = Layout(
     name="dp",
-    rules=((ax.BATCH, ax.DATA),),
+    activations=((ax.BATCH, (ax.DATA,)),),
     default_mesh="data=-1",
-    notation="X[B_D,H,W,C], W[Kh,Kw,Cin,Cout] replicated",
-    summary="data parallel: batch split over `data`, parameters replicated, gradients all-reduced",
     # gradients (one fused all-reduce), batch-norm statistics, the loss
     expected_collectives=_expect("all-reduce:param", "all-reduce:activation"),
 )
@@ -99,14 +134,9 @@ FSDP = Layout(
     # Activations pinned whole but for the batch: left free, XLA's propagation follows the
     # data-split kernels into the activations' channels, clashing with the batch split
     # (all-to-alls and activation all-gathers); pinned, it gathers the kernel instead.
-    rules=((ax.BATCH, ax.DATA), (ax.PARAMS, ax.DATA), *REPLICATED_ACTIVATIONS),
+    activations=((ax.BATCH, (ax.DATA,)), *((name, ()) for name in (ax.HEIGHT, ax.WIDTH, ax.CHANNELS, ax.FEATURES))),
+    fsdp=(ax.DATA,),
     default_mesh="data=-1",
-    notation="X[B_D,H,W,C], W[Kh,Kw,Cin,Cout_D] (largest divisible dim), optimizer state likewise",
-    summary=(
-        "fully sharded data parallel (ZeRO-3, the sharded parameter server): batch and every "
-        "parameter >= 4 KiB split over `data`; parameters all-gathered for compute, gradients "
-        "reduce-scattered back to their owners"
-    ),
     # parameters gathered, gradients reduce-scattered (on CPU: all-reduced, then sliced);
     # small replicated tensors' gradients, BN statistics and the loss all-reduced
     expected_collectives=_expect(
@@ -120,39 +150,27 @@ FSDP = Layout(
 # input and ends in an all-reduce of partial sums. So no activation is ever all-gathered.
 # With 3 conv blocks: block 0 replicated (its input is the image's 1-3 channels, too few to
 # split), block 1 column, block 2 row; dense 0 column, dense 1 row, classifier replicated.
+TP_COLLECTIVES = _expect("all-reduce:activation", "all-reduce:param", "all-gather:param")
 TP = Layout(
     name="tp",
-    rules=((ax.CONV_OUT, ax.MODEL), (ax.MLP, ax.MODEL)),
+    params=((ax.CONV_OUT, (ax.MODEL,)), (ax.MLP, (ax.MODEL,))),
     default_mesh="model=-1",
-    notation="W1[Kh,Kw,Cin,Cout_M] -> X[B,H,W,C_M] -> W2[Kh,Kw,Cin_M,Cout] -> all-reduce; dense likewise",
-    summary="tensor parallel: conv and dense kernels split column -> row over `model`, partial sums all-reduced",
     # partial sums (activations) all-reduced; batch-norm vectors (`norm`, replicated) of a
     # column layer are gathered from its split channels. Never an all-gather of activations.
-    expected_collectives=_expect("all-reduce:activation", "all-reduce:param", "all-gather:param"),
+    expected_collectives=TP_COLLECTIVES,
 )
 
-HYBRID = Layout(
-    name="hybrid",
-    rules=((ax.BATCH, ax.DATA), (ax.CONV_OUT, ax.MODEL), (ax.MLP, ax.MODEL)),
-    default_mesh="data=-1,model=2",
-    notation="X[B_D,H,W,C], W1[...,Cout_M], W2[...,Cin_M,...]",
-    summary="dp across `data`, tp inside `model`: gradients all-reduced over data, partial sums over model",
-    expected_collectives=_expect("all-reduce:activation", "all-reduce:param", "all-gather:param"),
-)
+# dp across `data`, tp inside `model`: gradients all-reduced over data, partial sums over model
+HYBRID = compose("hybrid", DP, TP, default_mesh="data=-1,model=2", expected=TP_COLLECTIVES)
 
 SPATIAL = Layout(
     name="spatial",
-    # features=None: the flatten gathers the (small) last activation whole, so the dense
+    # features=(): the flatten gathers the (small) last activation whole, so the dense
     # head runs data-parallel. Left free, XLA carries the height split into the flattened
     # features and splits the *dense kernel's gradient* instead -- gathering 100 MB per
     # step at 224x224 where the activation is 1.6 MB.
-    rules=((ax.BATCH, ax.DATA), (ax.HEIGHT, ax.SPATIAL), (ax.FEATURES, None)),
+    activations=((ax.BATCH, (ax.DATA,)), (ax.HEIGHT, (ax.SPATIAL,)), (ax.FEATURES, ())),
     default_mesh="data=-1,spatial=2",
-    notation="X[B_D,H_S,W,C], W replicated; 3x3 convs exchange one halo row each way",
-    summary=(
-        "spatial: image height split over `spatial` (batch over `data`); XLA exchanges halo rows "
-        "between neighbours (collective-permute) before every 3x3 conv"
-    ),
     # halos (permutes); gradients and BN statistics all-reduced over data x spatial;
     # heights that stop dividing after pooling, and the flatten, gathered whole again
     expected_collectives=_expect(
@@ -164,17 +182,9 @@ SPATIAL = Layout(
     ),
 )
 
-PIPELINE = Layout(
-    name="pipeline",
-    rules=((ax.BATCH, ax.DATA),),
-    default_mesh="data=-1,stage=4",
-    notation="stage s holds layers of group s; X[B_D,...] within a stage",
-    summary=(
-        "GPipe: consecutive layer groups on the `stage` axis, micro-batches streamed through them, "
-        "dp inside each stage over `data` (jaxcnn.sharding.pipeline)"
-    ),
-    stage_axis=ax.STAGE,
-)
+# GPipe: consecutive layer groups on the `stage` axis, micro-batches streamed through them,
+# dp inside each stage over `data` (jaxcnn.pipeline)
+PIPELINE = Layout(name="pipeline", activations=DP.activations, default_mesh="data=-1,stage=4", stage_axis=ax.STAGE)
 
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (SINGLE, DP, FSDP, TP, HYBRID, SPATIAL, PIPELINE)}
 
@@ -187,28 +197,33 @@ def get_layout(name: str) -> Layout:
 
 
 def parse_rules(text: str, name: str = "custom") -> Layout:
-    """A user's table: "batch=data,conv_out=model" (`a+b` splits over two axes, `none` replicates)."""
-    rules: list[tuple[str, MeshAxes]] = []
+    """A user's table: "batch=data,conv_out=model" (`a+b` splits over two axes, `none`
+    replicates, `params=data` is FSDP over data)."""
+    params: list[tuple[str, MeshAxes]] = []
+    activations: list[tuple[str, MeshAxes]] = []
+    fsdp: MeshAxes = ()
+    seen: set[str] = set()
     for item in filter(None, (part.strip() for part in text.split(","))):
         logical, sep, target_text = (s.strip() for s in item.partition("="))
         if not sep or not target_text:
             raise UserError(f"layout rule {item!r} needs the form LOGICAL=MESH_AXIS, e.g. batch=data")
         if logical not in ax.RULE_KEYS:
             raise UserError(f"layout rule names unknown logical axis {logical!r}; use one of {', '.join(ax.RULE_KEYS)}")
-        if any(logical == seen for seen, _ in rules):
+        if logical in seen:
             raise UserError(f"layout rules give logical axis {logical!r} twice")
-        if target_text.lower() == "none":
-            rules.append((logical, None))
-            continue
-        targets = tuple(t.strip() for t in target_text.split("+"))
+        seen.add(logical)
+        targets = () if target_text.lower() == "none" else tuple(t.strip() for t in target_text.split("+"))
         for axis in targets:
             if axis not in ax.MESH_AXES:
                 raise UserError(
                     f"layout rule {item!r} names unknown mesh axis {axis!r}; use one of {', '.join(ax.MESH_AXES)}"
                 )
-        rules.append((logical, targets[0] if len(targets) == 1 else targets))
-    if not rules:
+        if logical == ax.PARAMS:
+            fsdp = targets
+        else:
+            (params if logical in ax.PARAM_AXES else activations).append((logical, targets))
+    if not seen:
         raise UserError(f"--layout-rules {text!r} holds no rule; write e.g. batch=data,conv_out=model")
-    layout = Layout(name=name, rules=tuple(rules), default_mesh="", notation="user rules", summary=text)
+    layout = Layout(name, tuple(params), tuple(activations), fsdp)
     default = ",".join(f"{axis}={-1 if i == 0 else 1}" for i, axis in enumerate(layout.mesh_axes)) or "data=1"
-    return Layout(**{**layout.__dict__, "default_mesh": default})
+    return replace(layout, default_mesh=default)

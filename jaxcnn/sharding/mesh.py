@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxcnn.errors import UserError
+from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.axes import MESH_AXES
+from jaxcnn.sharding.layouts import Layout
 
 MeshShape = dict[str, int]
 
@@ -124,6 +127,77 @@ def check_layout_axes(
         for a, size in shape.items()
         if a not in layout_axes and size != 1
     ]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How a layout splits the work on a mesh, and the sizes those splits must divide: the
+    one up-front check (as torchtitan's ParallelDims) that every entry point runs --
+    `jaxcnn.build.build_program` and the scripts, before anything is loaded or compiled.
+
+    Constructing it checks that the mesh has every axis the layout splits over; `notes`
+    lists mesh axes the layout leaves unused (their devices hold replicas)."""
+
+    layout: Layout
+    mesh_shape: MeshShape  # resolved: no -1
+
+    def __post_init__(self):
+        object.__setattr__(self, "notes", check_layout_axes(
+            self.layout.mesh_axes, self.mesh_shape, self.layout.name, self.layout.optional_axes
+        ))  # fmt: skip
+
+    @property
+    def data(self) -> int:
+        """Data-parallel degree: the parts the batch is split into (inside one stage)."""
+        return self.layout.degree(ax.BATCH, self.mesh_shape)
+
+    @property
+    def stages(self) -> int:
+        return self.mesh_shape.get(self.layout.stage_axis, 1) if self.layout.stage_axis else 1
+
+    def validate(
+        self,
+        batch_size: int,
+        *,
+        eval_batch_size: int | None = None,
+        image_shape: tuple[int, ...] | None = None,
+        grad_accum: int = 1,
+        microbatches: int | None = None,
+    ) -> ParallelDims:
+        """Raise a UserError naming the first size that does not divide; return self."""
+        d, k = self.data, grad_accum
+        axes = self._axes_text(ax.BATCH)
+        if k > 1 and batch_size % (d * k):
+            raise UserError(
+                f"global batch {batch_size} does not split into {d} data shards x {k} micro-batches; "
+                f"use a batch that is a multiple of {d * k}"
+            )
+        for what, size in (("global batch", batch_size), ("eval batch", eval_batch_size)):
+            if size is not None and size % d:
+                raise UserError(f"{what} of {size} is not divisible by mesh axes {axes}; use a multiple of {d}")
+        if microbatches is not None:
+            if microbatches < 1 or batch_size % microbatches:
+                raise UserError(
+                    f"--microbatches {microbatches} must divide the global batch {batch_size}; use a divisor of {batch_size}"
+                )
+            if (batch_size // microbatches) % d:
+                raise UserError(
+                    f"a micro-batch of {batch_size // microbatches} ({batch_size}/{microbatches}) does not split over "
+                    f"data={d}; use a batch that is a multiple of {microbatches * d}"
+                )
+        for dim, name in enumerate((ax.HEIGHT, ax.WIDTH)):
+            ways = self.layout.degree(name, self.mesh_shape)
+            if image_shape is not None and image_shape[dim] % ways:
+                raise UserError(
+                    f"image {name} {image_shape[dim]} is not divisible by mesh axes {self._axes_text(name)} (arrays "
+                    f"entering the step must split evenly); use images whose {name} is a multiple of {ways}, or a "
+                    "smaller mesh axis"
+                )
+        return self
+
+    def _axes_text(self, logical: str) -> str:
+        """The mesh axes `logical` is split over, as "data=4" or "data=2xspatial=2"."""
+        return "x".join(f"{a}={self.mesh_shape[a]}" for a in self.layout.axes_for(logical) or () if a in self.mesh_shape)
 
 
 def host_devices_for(shape: MeshShape, host_devices: int | None, default: int) -> int:

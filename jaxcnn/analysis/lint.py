@@ -1,8 +1,7 @@
 """Sharding lint: where every parameter went, which rules did nothing, which collectives
 the compiled step contains that its layout did not expect.
 
-    report = lint(program.layout, program.mesh, program.placements, program.train_step)
-    print(format_report(report))
+    print(format_report(lint_program(program)))
 
 The collective check classifies each collective by what it moves: `param` when every
 array it returns has the shape of a parameter or of one device's shard of one (up to a
@@ -17,8 +16,10 @@ from dataclasses import dataclass, field
 
 from jax.sharding import Mesh, NamedSharding
 
+from jaxcnn.analysis.cost import program_collectives
+from jaxcnn.analysis.hlo import Collective
+from jaxcnn.program import Program
 from jaxcnn.sharding import axes as ax
-from jaxcnn.sharding.inspect import Collective, collectives
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import ParamPlacement
 
@@ -56,11 +57,8 @@ def rule_warnings(layout: Layout, mesh_shape: dict[str, int], placements: list[P
     """Rules that matched no name, rules over a 1-device axis, and every fallback."""
     used_names = {name for p in placements for name in p.logical if name} | MODEL_ACTIVATION_NAMES
     found = []
-    for logical, target in layout.rules:
-        targets = (target,) if isinstance(target, str) else tuple(target or ())
-        if logical == ax.PARAMS:
-            pass
-        elif logical not in used_names:
+    for logical, targets in (*layout.params, *layout.activations, *((ax.PARAMS, layout.fsdp),) * bool(layout.fsdp)):
+        if logical != ax.PARAMS and logical not in used_names:
             found.append(
                 f"rule {logical}={'+'.join(targets) or 'none'} matched nothing: no parameter or activation is named {logical!r}"
             )
@@ -104,15 +102,22 @@ def collective_warnings(layout: Layout, found: list[Collective], roles: list[str
     ]
 
 
-def lint(layout: Layout, mesh: Mesh, placements: list[ParamPlacement], compiled=None) -> ShardingReport:
-    """The report for one program; pass the compiled train step to check its collectives."""
+def lint(
+    layout: Layout, mesh: Mesh, placements: list[ParamPlacement], found: list[Collective] | None = None
+) -> ShardingReport:
+    """The report for a placement; give the collectives a step runs to check them too."""
     report = ShardingReport(layout, dict(mesh.shape), placements)
     report.warnings = rule_warnings(layout, report.mesh_shape, placements)
-    if compiled is not None:
-        report.collectives = collectives(compiled.as_text(), mesh.size)
-        report.roles = classify(report.collectives, placements, mesh)
-        report.warnings += collective_warnings(layout, report.collectives, report.roles)
+    if found is not None:
+        report.collectives = found
+        report.roles = classify(found, placements, mesh)
+        report.warnings += collective_warnings(layout, found, report.roles)
     return report
+
+
+def lint_program(program: Program) -> ShardingReport:
+    """The report for a compiled program: its placements and every collective of one step."""
+    return lint(program.layout, program.mesh, program.placements, program_collectives(program))
 
 
 def format_report(report: ShardingReport) -> str:

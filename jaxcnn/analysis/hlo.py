@@ -1,4 +1,4 @@
-"""What a compiled program really does: the collectives XLA put in it.
+"""The collectives XLA put in a compiled program, read from its optimized HLO text.
 
 Collectives appear only after `.compile()` (GSPMD partitions late), so everything here
 reads the optimized HLO text of a compiled executable. Both HLO dialects are handled:
@@ -16,12 +16,9 @@ buffer itself.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from dataclasses import dataclass
-
-import jax
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -182,61 +179,3 @@ def collective_summary(found: list[Collective]) -> dict[str, dict[str, float]]:
 
 def kinds_seen(found: list[Collective]) -> Counter:
     return Counter(c.kind for c in found)
-
-
-# --- the whole compiled step: memory, FLOPs, collectives ---------------------------------
-
-
-def bytes_per_device(abstract_tree) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs that carry shardings."""
-    total = 0
-    for leaf in jax.tree.leaves(abstract_tree):
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        total += math.prod(shard) * leaf.dtype.itemsize
-    return total
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """What one compiled train step costs each device (read from XLA, nothing run)."""
-
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int  # donated inputs reused as outputs
-    temp_bytes: int  # activations and scratch
-    param_bytes: int  # parameters (and batch-norm statistics) held per device
-    optimizer_bytes: int
-    flops: float  # per device
-    collectives: list[Collective]
-
-    @property
-    def peak_bytes(self) -> int:
-        """Live at once: inputs, outputs not aliased to inputs, and temporaries."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-
-    def comm_bytes(self, kind: str | None = None) -> int:
-        """Per step: a collective inside a loop counts once per iteration."""
-        return sum(c.step_bytes for c in self.collectives if kind in (None, c.kind))
-
-    def wire_bytes(self, kind: str | None = None) -> float:
-        return sum(c.step_wire_bytes for c in self.collectives if kind in (None, c.kind))
-
-
-def step_cost(compiled, abstract_state, num_devices: int) -> StepCost:
-    """Memory (`memory_analysis`), FLOPs (`cost_analysis`) and collectives of a compiled step.
-
-    `abstract_state` is the step's TrainState of ShapeDtypeStructs with shardings.
-    """
-    memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per device
-    return StepCost(
-        argument_bytes=memory.argument_size_in_bytes,
-        output_bytes=memory.output_size_in_bytes,
-        alias_bytes=memory.alias_size_in_bytes,
-        temp_bytes=memory.temp_size_in_bytes,
-        param_bytes=bytes_per_device((abstract_state.params, abstract_state.model_state)),
-        optimizer_bytes=bytes_per_device(abstract_state.opt_state),
-        flops=float(cost.get("flops", 0.0)),
-        collectives=collectives(compiled.as_text(), num_devices),
-    )

@@ -1,6 +1,6 @@
 """Analytic communication model: the bytes each layout *should* move per training step.
 
-Set beside what XLA compiled (jaxcnn.sharding.inspect) it says whether the compiler did
+Set beside what XLA compiled (jaxcnn.analysis.hlo) it says whether the compiler did
 what theory predicts. Same convention as the inspector: **buffer bytes** per device (the
 logical array a collective works on: the reduced array, the gathered whole, the
 unscattered input, the sent halo); `wire_bytes` turns a buffer into ring traffic.
@@ -37,12 +37,13 @@ batch-norm vectors are gathered from their split channels (8 x C x f per such la
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from jaxcnn.analysis.hlo import KINDS, ring_wire_bytes
 from jaxcnn.config import ModelConfig
+from jaxcnn.models import layer_shapes
+from jaxcnn.program import Program
 from jaxcnn.sharding import axes as ax
-from jaxcnn.sharding.inspect import KINDS, ring_wire_bytes
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import ParamPlacement, spatial_split_ok
 
@@ -59,12 +60,6 @@ class CommTerm:
         return ring_wire_bytes(self.kind, self.group_size, self.buffer_bytes)
 
 
-def _degree(layout: Layout, logical: str, mesh_shape: dict[str, int]) -> int:
-    _, target = layout.lookup(logical)
-    axes = (target,) if isinstance(target, str) else tuple(target or ())
-    return math.prod(mesh_shape.get(a, 1) for a in axes)
-
-
 def comm_terms(
     config: ModelConfig,
     image_shape: tuple[int, int, int],
@@ -77,15 +72,12 @@ def comm_terms(
 ) -> list[CommTerm]:
     """The model's terms for one step. `compute_bytes`: parameter path -> bytes per device
     as used for compute (FSDP's split undone); `placements` say which are FSDP-split."""
-    from jaxcnn.models import layer_shapes  # here: jaxcnn.models imports this package
-
-    d = _degree(layout, ax.BATCH, mesh_shape)
-    s = _degree(layout, ax.HEIGHT, mesh_shape)
+    d = layout.degree(ax.BATCH, mesh_shape)
+    s = layout.degree(ax.HEIGHT, mesh_shape)
     g = d * s
     local_batch = batch_size / d
     terms: list[CommTerm] = []
-    _, fsdp_target = layout.lookup(ax.PARAMS)
-    fsdp_axes = set((fsdp_target,) if isinstance(fsdp_target, str) else (fsdp_target or ()))
+    fsdp_axes = set(layout.fsdp)
 
     def fsdp_split(p: ParamPlacement) -> bool:
         return any(e in fsdp_axes or (isinstance(e, tuple) and fsdp_axes & set(e)) for e in p.spec if e)
@@ -134,12 +126,12 @@ def comm_terms(
 
     if config.norm == "batch":
         for layer, on_split in zip(convs, split_input, strict=True):
-            channels = layer.features / _degree(layout, layer.space_out, mesh_shape)
+            channels = layer.features / layout.degree(layer.space_out, mesh_shape)
             reduce_over("batch-norm statistics", 4 * channels * itemsize, on_split)
 
     for i, layer in enumerate(layers):
-        tp_out = _degree(layout, layer.space_out, mesh_shape)
-        tp_in = _degree(layout, layer.space_in, mesh_shape)
+        tp_out = layout.degree(layer.space_out, mesh_shape)
+        tp_in = layout.degree(layer.space_in, mesh_shape)
         pixels = layer.height * layer.width
         if tp_in > 1:  # a row layer: partial sums of its output
             terms.append(
@@ -172,3 +164,33 @@ def summarise(terms: list[CommTerm]) -> dict[str, float]:
     out["total"] = sum(t.buffer_bytes for t in terms)
     out["wire"] = sum(t.wire_bytes for t in terms)
     return out
+
+
+def pipeline_summary(program: Program, config: ModelConfig, image_shape: tuple[int, int, int]) -> dict[str, float]:
+    """The pipeline's model, for the stage that bounds the step (jaxcnn.analysis.cost):
+    with a data axis of D > 1 each stage all-reduces its parameters' gradient once per
+    micro-batch (M per step); every boundary carries each micro-batch's activation forward
+    and its gradient back, 2 x M x micro x (the last layer's pooled output) x f / D."""
+    groups = [range(g[0], g[-1] + 1) for g in program.record["stages"]]
+    m, data_ways = program.record["microbatches"], program.mesh.size // len(groups)
+    layers, micro = layer_shapes(config, image_shape), program.batch_size // m
+    sent = []
+    for group in groups[:-1]:
+        last = layers[group.stop - 1]
+        size = -(-last.height // 2) * -(-last.width // 2) * last.features if last.kind == "conv" else last.features
+        sent.append(2 * m * micro * size * 4 // data_ways)
+    grads = [m * b for b in program.stage_param_bytes] if data_ways > 1 else [0] * len(groups)
+    wire = [ring_wire_bytes("all-reduce", data_ways, g) for g in grads]
+    return {"total": max(grads) + max(sent, default=0), "wire": max(wire) + max(sent, default=0)}
+
+
+def modelled_comm(program: Program, config: ModelConfig, image_shape: tuple[int, int, int]) -> dict[str, float]:
+    """The model's bytes for `program`: `summarise(comm_terms(...))`, or the pipeline's."""
+    if program.layout.stage_axis:
+        return pipeline_summary(program, config, image_shape)
+    compute_bytes = {p.path: p.bytes_per_device for p in program.compute_placements}
+    mesh_shape = dict(program.mesh.shape)
+    terms = comm_terms(
+        config, image_shape, program.batch_size, program.layout, mesh_shape, program.placements, compute_bytes
+    )
+    return summarise(terms)

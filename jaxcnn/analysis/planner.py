@@ -12,6 +12,10 @@ alpha-beta (Hockney) model:
 
     step = FLOPs per device / peak FLOP/s  +  sum over collectives (alpha + wire bytes / link B/s)
 
+A pipeline candidate is costed by its busiest stage (jaxcnn.analysis.cost): its compute
+stretched by the bubble, (M+S-1)/M, and the activations it sends to the next stage added
+to its wire bytes; its peak is that stage's largest program plus its optimizer state.
+
 alpha is a collective's fixed latency (~10 us for NCCL on NVLink, a few us on TPU ICI; an
 order of magnitude, not a measurement). Candidates within 3% of each other count as tied
 and the one that splits less wins (dp before hybrid before the rest): same speed, simpler
@@ -20,22 +24,24 @@ program.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
+from jaxcnn.analysis.cost import ProgramCost, program_cost
+from jaxcnn.analysis.hardware import HardwareProfile
+from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
+from jaxcnn.models import layer_shapes
 from jaxcnn.sharding import axes as ax
-from jaxcnn.sharding.hardware import HardwareProfile
-from jaxcnn.sharding.inspect import StepCost, step_cost
 from jaxcnn.sharding.layouts import LAYOUTS, Layout, parse_rules
 from jaxcnn.sharding.mesh import build_mesh, format_mesh
+from jaxcnn.sharding.partition import quiet_fallbacks
 
 ALPHA_SECONDS = {"cpu-here": 20e-6, "tpu-v5e": 5e-6}  # default 10 us (GPUs)
 TIE = 0.03
 # fsdp and tp together: only a rules table (README, "Layouts")
 FSDP_TP = parse_rules("batch=data,params=data,conv_out=model,mlp=model", name="fsdp+tp")
-SIMPLICITY = {"single": 0, "dp": 1, "hybrid": 2, "fsdp": 3, "tp": 4, "fsdp+tp": 5, "spatial": 6}
+SIMPLICITY = {"single": 0, "dp": 1, "hybrid": 2, "fsdp": 3, "tp": 4, "fsdp+tp": 5, "spatial": 6, "pipeline": 7}
 
 
 @dataclass
@@ -61,20 +67,21 @@ class Candidate:
         return format_mesh(self.mesh_shape)
 
 
-def comm_seconds(cost: StepCost, profile: HardwareProfile, num_devices: int) -> float:
+def comm_seconds(cost: ProgramCost, profile: HardwareProfile, num_devices: int) -> float:
     """Modelled time of a step's collectives: each costs alpha + wire bytes / link bandwidth
     (simulated devices share one host's bandwidth N ways)."""
     alpha = ALPHA_SECONDS.get(profile.name, 10e-6)
     share = num_devices if profile.shared_host else 1
-    return len(cost.collectives) * alpha + cost.wire_bytes() / (profile.link_bytes_per_second / share)
+    return cost.num_collectives * alpha + cost.wire_bytes / (profile.link_bytes_per_second / share)
 
 
 def _pairs(n: int) -> list[tuple[int, int]]:
     return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
 
 
-def candidates_for(num_devices: int) -> list[tuple[Layout, dict[str, int]]]:
-    """Every layout x mesh factorisation worth compiling on `num_devices`."""
+def candidates_for(num_devices: int, max_stages: int = 0) -> list[tuple[Layout, dict[str, int]]]:
+    """Every layout x mesh factorisation worth compiling on `num_devices` (pipelines of up
+    to `max_stages` stages: one layer each at most)."""
     n = num_devices
     if n == 1:
         return [(LAYOUTS["single"], {ax.DATA: 1})]
@@ -86,6 +93,9 @@ def candidates_for(num_devices: int) -> list[tuple[Layout, dict[str, int]]]:
     for data, spatial in _pairs(n):
         if spatial > 1:
             found.append((LAYOUTS["spatial"], {ax.DATA: data, ax.SPATIAL: spatial}))
+    for data, stages in _pairs(n):
+        if 1 < stages <= max_stages:
+            found.append((LAYOUTS["pipeline"], {ax.DATA: data, ax.STAGE: stages}))
     return found
 
 
@@ -105,37 +115,29 @@ def plan(
     # simulated devices share one host: each gets 1/N of its FLOP/s
     share = num_devices if profile.shared_host else 1
     out = []
-    todo = [(lay, m) for lay, m in candidates_for(num_devices) if layouts is None or lay.name in layouts]
+    max_stages = len(layer_shapes(model_config, image_shape))
+    todo = [(lay, m) for lay, m in candidates_for(num_devices, max_stages) if layouts is None or lay.name in layouts]
     for i, (layout, mesh_shape) in enumerate(todo):
         if progress:
             progress(i, len(todo), layout, mesh_shape)
         candidate = Candidate(layout, mesh_shape)
         out.append(candidate)
-        from jaxcnn.train import build_program  # imported here: jaxcnn.train imports this package
-
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with quiet_fallbacks():
                 program = build_program(
-                    model_config,
-                    OptimConfig(),
-                    layout,
-                    build_mesh(mesh_shape),
-                    image_shape,
-                    batch_size,
-                    1000,
-                    with_eval=False,
-                    with_init=False,
-                )
+                    model_config, OptimConfig(), layout, build_mesh(mesh_shape), image_shape, batch_size, 1000,
+                    with_eval=False, with_init=False,
+                )  # fmt: skip
         except UserError as err:
             candidate.error = str(err)
             continue
-        cost = step_cost(program.train_step, program.abstract_state, num_devices)
+        cost = program_cost(program)
+        stretch = 1 / (1 - program.bubble_fraction)  # (M+S-1)/M: a pipeline stage idles in the bubble
         candidate.peak_bytes = cost.peak_bytes
         candidate.param_bytes, candidate.optimizer_bytes = cost.param_bytes, cost.optimizer_bytes
-        candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes()
-        candidate.num_collectives = len(cost.collectives)
-        candidate.compute_seconds = cost.flops / (profile.flops(dtype) / share)
+        candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes
+        candidate.num_collectives = cost.num_collectives
+        candidate.compute_seconds = cost.flops / (profile.flops(dtype) / share) * stretch
         candidate.comm_seconds = comm_seconds(cost, profile, num_devices)
     return rank(out, budget_bytes)
 

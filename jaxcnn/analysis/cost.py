@@ -1,0 +1,133 @@
+"""What a compiled program costs each device per optimizer step: memory (XLA's
+`memory_analysis`), FLOPs (`cost_analysis`) and collectives (the HLO), read without
+running anything.
+
+`step_cost` reads one compiled step. `program_cost` reads any `jaxcnn.program.Program`
+through its `stages`: an SPMD program is one stage of one program; a pipeline stage runs
+several per-stage programs, some once per micro-batch. Its figures are then those of the
+stage that bounds the step -- the most parameter, optimizer and temporary bytes, the
+most FLOPs -- plus the activations and gradients sent between stages (point-to-point
+`device_put`s, not HLO collectives); per-kind collective bytes are the stages' mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from jaxcnn.analysis.hlo import Collective, collectives
+from jaxcnn.program import CompiledPart, Program
+from jaxcnn.sharding.partition import bytes_per_device
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one compiled train step costs each device (read from XLA, nothing run)."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # donated inputs reused as outputs
+    temp_bytes: int  # activations and scratch
+    param_bytes: int  # parameters (and batch-norm statistics) held per device
+    optimizer_bytes: int
+    flops: float  # per device
+    collectives: list[Collective]
+
+    @property
+    def peak_bytes(self) -> int:
+        """Live at once: inputs, outputs not aliased to inputs, and temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    def comm_bytes(self, kind: str | None = None) -> int:
+        """Per step: a collective inside a loop counts once per iteration."""
+        return sum(c.step_bytes for c in self.collectives if kind in (None, c.kind))
+
+    def wire_bytes(self, kind: str | None = None) -> float:
+        return sum(c.step_wire_bytes for c in self.collectives if kind in (None, c.kind))
+
+
+def step_cost(compiled, abstract_state, num_devices: int) -> StepCost:
+    """Memory (`memory_analysis`), FLOPs (`cost_analysis`) and collectives of a compiled step.
+
+    `abstract_state` is the step's TrainState of ShapeDtypeStructs with shardings.
+    """
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per device
+    return StepCost(
+        argument_bytes=memory.argument_size_in_bytes,
+        output_bytes=memory.output_size_in_bytes,
+        alias_bytes=memory.alias_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes,
+        param_bytes=bytes_per_device((abstract_state.params, abstract_state.model_state)),
+        optimizer_bytes=bytes_per_device(abstract_state.opt_state),
+        flops=float(cost.get("flops", 0.0)),
+        collectives=collectives(compiled.as_text(), num_devices),
+    )
+
+
+def _analyses(compiled):
+    cost = compiled.cost_analysis()
+    return compiled.memory_analysis(), cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: per device
+
+
+def part_collectives(part: CompiledPart) -> list[Collective]:
+    """A part's collectives, each counted as often as a step runs it (`repeats`)."""
+    found = collectives(part.compiled.as_text(), part.devices)
+    return [dataclasses.replace(c, repeats=c.repeats * part.calls) for c in found]
+
+
+def program_collectives(program: Program) -> list[Collective]:
+    """Every collective one optimizer step of `program` runs, all stages."""
+    return [c for stage in program.stages for part in stage for c in part_collectives(part)]
+
+
+@dataclass(frozen=True)
+class ProgramCost:
+    """Per device per optimizer step, for the stage that bounds it (module docstring)."""
+
+    param_bytes: int
+    optimizer_bytes: int
+    temp_bytes: int
+    peak_bytes: int  # pipeline: the stage's largest program's live bytes + its optimizer state
+    flops: float
+    stage_collectives: list[list[Collective]]
+    transfer_bytes: int  # pipeline: the most one stage boundary carries, forward + backward
+    num_collectives: int  # collective instructions executed per step (loops counted once)
+
+    def kind_bytes(self, kind: str) -> int:
+        return sum(c.step_bytes for stage in self.stage_collectives for c in stage if c.kind == kind) // len(
+            self.stage_collectives
+        )
+
+    @property
+    def comm_bytes(self) -> int:
+        return max(sum(c.step_bytes for c in stage) for stage in self.stage_collectives) + self.transfer_bytes
+
+    @property
+    def wire_bytes(self) -> float:
+        return max(sum(c.step_wire_bytes for c in stage) for stage in self.stage_collectives) + self.transfer_bytes
+
+
+def program_cost(program: Program) -> ProgramCost:
+    flops, temp, peak, found, count = [], [], [], [], 0
+    for stage, optimizer_bytes in zip(program.stages, program.stage_optimizer_bytes, strict=True):
+        analyses = [_analyses(part.compiled) for part in stage]
+        flops.append(sum(part.calls * float(c.get("flops", 0.0)) for part, (_, c) in zip(stage, analyses, strict=True)))
+        temp.append(max(m.temp_size_in_bytes for m, _ in analyses))
+        live = max(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+                   for m, _ in analyses)  # fmt: skip
+        peak.append(live if len(program.stages) == 1 else live + optimizer_bytes)
+        per_part = [part_collectives(part) for part in stage]
+        found.append([c for cs in per_part for c in cs])
+        count += sum(len(cs) * part.calls for part, cs in zip(stage, per_part, strict=True))
+    return ProgramCost(
+        param_bytes=max(program.stage_param_bytes),
+        optimizer_bytes=max(program.stage_optimizer_bytes),
+        temp_bytes=max(temp),
+        peak_bytes=max(peak),
+        flops=max(flops),
+        stage_collectives=found,
+        transfer_bytes=max(program.boundary_bytes, default=0),
+        num_collectives=count,
+    )

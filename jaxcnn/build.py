@@ -1,0 +1,106 @@
+"""The one builder: a layout, a mesh and a batch in, a compiled `jaxcnn.program.Program` out.
+
+    program = build_program(model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps)
+
+It validates the sizes against the layout's degrees first (`ParallelDims.validate`), then
+dispatches on the layout: a table with a stage axis compiles per-stage programs
+(jaxcnn.pipeline), every other table one SPMD program (jaxcnn.spmd). Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig, total_steps
+from jaxcnn.errors import UserError
+from jaxcnn.models import build_model
+from jaxcnn.optim import optim_for_batch
+from jaxcnn.pipeline import build_pipeline_program
+from jaxcnn.program import Program
+from jaxcnn.sharding.layouts import Layout
+from jaxcnn.sharding.mesh import ParallelDims
+from jaxcnn.sharding.partition import ParamPlacement, place_variables
+from jaxcnn.spmd import build_spmd_program
+from jaxcnn.steps import split_model
+
+
+def build_program(
+    model_config: ModelConfig,
+    optim_config: OptimConfig,
+    layout: Layout,
+    mesh: Mesh,
+    image_shape: tuple[int, int, int],
+    batch_size: int,
+    total_steps: int,
+    *,
+    seed: int = 0,
+    eval_batch_size: int | None = None,
+    with_eval: bool = True,
+    with_init: bool = True,
+    update: UpdateConfig | None = None,
+    microbatches: int | None = None,
+    stage_split: tuple[int, ...] | None = None,
+    compiler_options: dict | None = None,
+) -> Program:
+    """Compile the init, train and eval steps of one (model, layout, mesh, batch size).
+
+    `with_eval` / `with_init` False skip compiling those (training without a test set;
+    cost inspection and planning, which only read the train step). `update` picks the
+    step's update rule (jaxcnn.steps: accumulation, local SGD, stale gradients);
+    `microbatches` and `stage_split` shape a pipeline. `compiler_options` replace
+    jaxcnn's XLA options for the steps (None: jaxcnn.compiling's for the platform)."""
+    eval_batch_size = eval_batch_size or batch_size
+    update = update or UpdateConfig()
+    if layout.stage_axis and update != UpdateConfig():
+        raise UserError(
+            "--grad-accum, --sync, --staleness and --skip-nonfinite do not apply to --layout pipeline "
+            "(its micro-batches already accumulate: use --microbatches)"
+        )
+    if not layout.stage_axis and (microbatches or stage_split):
+        raise UserError("--microbatches and --stage-split apply to --layout pipeline only")
+    ParallelDims(layout, dict(mesh.shape)).validate(
+        batch_size, eval_batch_size=eval_batch_size, image_shape=image_shape, grad_accum=update.grad_accum
+    )
+    common = dict(seed=seed, eval_batch_size=eval_batch_size, with_eval=with_eval, compiler_options=compiler_options)
+    if layout.stage_axis:
+        return build_pipeline_program(
+            model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps,
+            microbatches=microbatches, stage_split=stage_split, **common,
+        )  # fmt: skip
+    return build_spmd_program(
+        model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps,
+        with_init=with_init, update=update, **common,
+    )  # fmt: skip
+
+
+def build_programs(
+    model_config: ModelConfig,
+    optim_config: OptimConfig,
+    layout: Layout,
+    mesh: Mesh,
+    image_shape: tuple[int, int, int],
+    train_config: TrainConfig,
+    train_size: int,
+    **options,
+) -> dict[int, Program]:
+    """One program per global batch the run uses (a batch schedule has several), each
+    with its learning rate scaled for its batch (jaxcnn.optim.optim_for_batch)."""
+    steps = total_steps(train_size, train_config)
+    if layout.stage_axis and train_config.batch_schedule:
+        raise UserError("--batch-schedule does not apply to --layout pipeline; give it one --batch-size")
+    programs = {}
+    for batch in train_config.batch_sizes:
+        programs[batch] = build_program(
+            model_config, optim_for_batch(optim_config, train_config, batch), layout, mesh, image_shape, batch,
+            steps, seed=train_config.seed, eval_batch_size=train_config.eval_batch_size, **options,
+        )  # fmt: skip
+    return programs
+
+
+def plan_placements(
+    model_config: ModelConfig, layout: Layout, mesh: Mesh, image_shape: tuple[int, int, int]
+) -> list[ParamPlacement]:
+    """Where every parameter and statistic of the model would go, without compiling."""
+    _, params, model_state = split_model(nnx.eval_shape(lambda: build_model(model_config, image_shape, 0)))
+    return place_variables(params, layout, mesh)[1] + place_variables(model_state, layout, mesh)[1]

@@ -1,0 +1,310 @@
+"""Pipeline parallelism (GPipe): consecutive layer groups on the `stage` axis, micro-batches
+streamed through them, gradients accumulated, one optimizer step.
+
+Design: **one program per stage, on that stage's sub-mesh, driven by the host** (MPMD).
+The CNN family's stages are heterogeneous -- convs of different widths and resolutions,
+then dense layers -- so their parameters and activations have no common shape to stack
+along a `stage` dimension, which a single SPMD program (`shard_map` + `ppermute`) needs.
+Per-stage programs take each stage as it is: stage s's devices (a `data` sub-mesh of
+size D) hold only its parameters and optimizer state. Where the model is cut:
+jaxcnn.pipeline.split; the order the host runs the programs in: jaxcnn.pipeline.schedule.
+
+Semantics: with batch norm, statistics are per micro-batch (as in GPipe), and dropout
+masks are drawn per micro-batch, so such models train well but do not reproduce the
+single-device numbers; models without them do, to rounding (tests/test_pipeline.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
+from jaxcnn.config import ModelConfig, OptimConfig
+from jaxcnn.models import build_model, cross_entropy
+from jaxcnn.optim import apply_optimizer, make_optimizer
+from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
+from jaxcnn.pipeline.split import Stage, default_microbatches, stage_groups, sub_meshes
+from jaxcnn.program import CompiledPart, Program
+from jaxcnn.sharding import axes as ax
+from jaxcnn.sharding.layouts import DP, Layout
+from jaxcnn.sharding.mesh import ParallelDims
+from jaxcnn.sharding.partition import (
+    ParamPlacement,
+    activation_layout,
+    bytes_per_device,
+    data_sharding,
+    optimizer_shardings,
+    place_variables,
+)
+
+
+def build_pipeline_program(
+    model_config: ModelConfig,
+    optim_config: OptimConfig,
+    layout: Layout,
+    mesh: Mesh,
+    image_shape: tuple[int, int, int],
+    batch_size: int,
+    total_steps: int,
+    *,
+    microbatches: int | None = None,
+    stage_split: tuple[int, ...] | None = None,
+    seed: int = 0,
+    eval_batch_size: int,
+    with_eval: bool,
+    compiler_options: dict | None,
+) -> Program:
+    """Per-stage programs on the stages' sub-meshes, run by the GPipe schedule (arguments:
+    jaxcnn.build; `microbatches` None: `default_microbatches`)."""
+    num_stages = mesh.shape[layout.stage_axis]
+    groups = stage_groups(model_config, image_shape, num_stages, stage_split)
+    m = microbatches or default_microbatches(batch_size, num_stages)
+    ParallelDims(layout, dict(mesh.shape)).validate(batch_size, microbatches=m)
+    micro = batch_size // m
+    meshes = sub_meshes(mesh, layout.stage_axis)
+    data_ways = math.prod(meshes[0].shape.values())
+    tx = make_optimizer(optim_config, total_steps)
+    start = time.perf_counter()
+
+    def stage_module(s: int) -> Stage:
+        return Stage(build_model(model_config, image_shape, seed), groups[s])
+
+    def init_stage(s: int) -> StageState:
+        _, params, stats = nnx.split(stage_module(s), nnx.Param, ...)
+        return StageState(params, stats, tx.init(params))
+
+    stages, placements, param_bytes, opt_bytes, shardings = [], [], [], [], []
+    graphdefs, act_bytes = [], []
+    for s, sub in enumerate(meshes):
+        abstract = jax.eval_shape(lambda s=s: init_stage(s))
+        graphdefs.append(nnx.graphdef(nnx.eval_shape(lambda s=s: stage_module(s))))
+        p_sh, rows = place_variables(abstract.params, DP, sub)
+        st_sh, st_rows = place_variables(abstract.stats, DP, sub)
+        o_sh = optimizer_shardings(tx, abstract.opt_state, p_sh, sub)
+        shardings.append(StageState(p_sh, st_sh, o_sh))
+        placements += [
+            ParamPlacement(f"stage{s}/{r.path}", r.logical, r.shape, r.dtype, r.spec, r.bytes_per_device, r.notes)
+            for r in rows + st_rows
+        ]
+        param_bytes.append(sum(r.bytes_per_device for r in rows + st_rows))
+        opt_bytes.append(bytes_per_device(with_shardings(abstract.opt_state, o_sh)))
+        stages.append(abstract)
+
+    # activation shapes between stages: trace each stage on one micro-batch
+    shape = jax.ShapeDtypeStruct((micro, *image_shape), jnp.float32)
+    act_shapes = []
+    for s in range(num_stages):
+        gd = graphdefs[s]
+        shape = jax.eval_shape(
+            lambda p, st, x, gd=gd: nnx.merge(gd, p, st)(x, train=False), stages[s].params, stages[s].stats, shape
+        )
+        act_shapes.append(shape)
+        act_bytes.append(math.prod(shape.shape) * shape.dtype.itemsize)
+
+    def on(sub: Mesh, shape_tuple):
+        logical = ax.IMAGE_BHWC if len(shape_tuple) == 4 else ax.FEATURES_BF
+        return data_sharding(logical[: len(shape_tuple)], DP, sub)
+
+    first, last = meshes[0], meshes[-1]
+    image_sh = eval_image_sh = data_sharding(ax.IMAGE_BHWC, DP, first)
+    label_sh = eval_vec_sh = data_sharding((ax.BATCH,), DP, last)
+    rep = [NamedSharding(sub, P()) for sub in meshes]
+
+    # --- per-stage programs -----------------------------------------------------------
+    def apply(s, params, stats, x, train, key):
+        model = nnx.merge(graphdefs[s], params, stats, copy=True)
+        with activation_layout(DP, meshes[s]):
+            y = model(x, train=train, rngs=nnx.Rngs(dropout=key) if train else None)
+        # activations cross stages in float32, so every stage program has one signature
+        # whatever --dtype computes in (bfloat16 would halve the bytes sent; not done yet)
+        return y.astype(jnp.float32), nnx.state(model, nnx.Not(nnx.Param))
+
+    # The global batch arrives split over `data` in contiguous rows, so micro-batch i would
+    # sit on one device. Once per step it is regrouped as [M, micro, ...] with each
+    # micro-batch split over `data` (one all-to-all), so that taking micro-batch i is local.
+    micro_spec = lambda n: P(None, ax.DATA, *([None] * n)) if ax.DATA in first.shape else P()  # noqa: E731
+    grouped_images = NamedSharding(first, micro_spec(3))
+    grouped_labels = NamedSharding(last, micro_spec(0))
+
+    def micro_input(s, x, mb):
+        """Stage 0 receives the grouped global batch and takes micro-batch `mb` itself."""
+        return jax.lax.dynamic_index_in_dim(x, mb, keepdims=False) if s == 0 else x
+
+    def forward(s, params, stats, x, mb, key):
+        y, stats = apply(s, params, stats, micro_input(s, x, mb), True, jax.random.fold_in(key, mb))
+        return y, stats
+
+    def backward(s, params, stats, x, mb, key, dy, acc):
+        xin = micro_input(s, x, mb)
+
+        def f(p, xi):
+            return apply(s, p, stats, xi, True, jax.random.fold_in(key, mb))[0]
+
+        if s == 0:  # no gradient for the images
+            _, vjp = jax.vjp(lambda p: f(p, xin), params)
+            (dp,) = vjp(dy)
+            return jax.tree.map(jnp.add, acc, dp), None
+        _, vjp = jax.vjp(f, params, xin)
+        dp, dx = vjp(dy)
+        return jax.tree.map(jnp.add, acc, dp), dx
+
+    def last_backward(params, stats, x, labels, mb, key, acc, totals):
+        s = num_stages - 1
+        xin, y = micro_input(s, x, mb), jax.lax.dynamic_index_in_dim(labels, mb, keepdims=False)
+
+        def loss_fn(p, xi):
+            logits, new_stats = apply(s, p, stats, xi, True, jax.random.fold_in(key, mb))
+            return cross_entropy(logits, y).mean() / m, (logits, new_stats)
+
+        (loss, (logits, new_stats)), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, xin)
+        correct = jnp.sum(jnp.argmax(logits, -1) == y)
+        dp, dx = grads
+        totals = (totals[0] + loss, totals[1] + correct)
+        return jax.tree.map(jnp.add, acc, dp), (dx if s > 0 else None), new_stats, totals
+
+    def update(params, opt_state, grads):
+        return apply_optimizer(tx, grads, opt_state, params)
+
+    programs, lowered = [], {}
+    key_sds = lambda s: jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep[s])  # noqa: E731
+    mb_sds = lambda s: jax.ShapeDtypeStruct((), jnp.int32, sharding=rep[s])  # noqa: E731
+    for s, sub in enumerate(meshes):
+        sh = shardings[s]
+        params_sds, stats_sds = with_shardings(stages[s].params, sh.params), with_shardings(stages[s].stats, sh.stats)
+        in_shape = (m, micro, *image_shape) if s == 0 else act_shapes[s - 1].shape
+        x_sh = grouped_images if s == 0 else on(sub, in_shape)
+        x_sds = jax.ShapeDtypeStruct(in_shape, jnp.float32, sharding=x_sh)
+        y_sh = on(sub, act_shapes[s].shape)
+        dy_sds = jax.ShapeDtypeStruct(act_shapes[s].shape, jnp.float32, sharding=y_sh)
+        prog = {}
+        if s < num_stages - 1:
+            prog["forward"] = (
+                jax.jit(lambda p, st, x, mb, k, s=s: forward(s, p, st, x, mb, jax.random.wrap_key_data(k)),
+                        out_shardings=(y_sh, sh.stats))
+                .lower(params_sds, stats_sds, x_sds, mb_sds(s), key_sds(s))
+            )  # fmt: skip
+            prog["backward"] = (
+                jax.jit(lambda p, st, x, mb, k, dy, acc, s=s: backward(s, p, st, x, mb, jax.random.wrap_key_data(k), dy, acc),
+                        out_shardings=(sh.params, x_sh if s > 0 else None), donate_argnums=(6,))
+                .lower(params_sds, stats_sds, x_sds, mb_sds(s), key_sds(s), dy_sds, params_sds)
+            )  # fmt: skip
+        else:
+            labels_sds = jax.ShapeDtypeStruct((m, micro), jnp.int32, sharding=grouped_labels)
+            totals_sds = (
+                jax.ShapeDtypeStruct((), jnp.float32, sharding=rep[s]),
+                jax.ShapeDtypeStruct((), jnp.int32, sharding=rep[s]),
+            )
+            prog["last"] = (
+                jax.jit(lambda p, st, x, y, mb, k, acc, t: last_backward(p, st, x, y, mb, jax.random.wrap_key_data(k), acc, t),
+                        out_shardings=(sh.params, x_sh if s > 0 else None, sh.stats, (rep[s], rep[s])), donate_argnums=(6,))
+                .lower(params_sds, stats_sds, x_sds, labels_sds, mb_sds(s), key_sds(s), params_sds, totals_sds)
+            )  # fmt: skip
+        opt_sds = with_shardings(stages[s].opt_state, sh.opt_state)
+        prog["update"] = jax.jit(update, out_shardings=(sh.params, sh.opt_state), donate_argnums=(0, 1)).lower(
+            params_sds, opt_sds, params_sds
+        )
+        if with_eval:
+            e_shape = (eval_batch_size, *image_shape) if s == 0 else (eval_batch_size, *act_shapes[s - 1].shape[1:])
+            e_sh = eval_image_sh if s == 0 else on(sub, e_shape)
+            e_out = (eval_batch_size, *act_shapes[s].shape[1:])
+            prog["eval"] = jax.jit(
+                lambda p, st, x, s=s: apply(s, p, st, x, False, None)[0], out_shardings=on(sub, e_out)
+            ).lower(params_sds, stats_sds, jax.ShapeDtypeStruct(e_shape, jnp.float32, sharding=e_sh))
+        prog["init"] = jax.jit(lambda s=s: init_stage(s), out_shardings=sh).lower()
+        lowered.update({(s, name): low for name, low in prog.items()})
+        programs.append({"x_sharding": x_sh, "y_sharding": y_sh, "eval_x_sharding": e_sh if with_eval else None})
+
+    def eval_loss(logits, labels, mask):
+        predictions = jnp.argmax(logits, -1)
+        return jnp.sum(cross_entropy(logits, labels) * mask), jnp.sum((predictions == labels) * mask), predictions
+
+    logits_sds = jax.ShapeDtypeStruct(
+        (eval_batch_size, model_config.num_classes),
+        jnp.float32,
+        sharding=on(last, (eval_batch_size, model_config.num_classes)),
+    )
+    vec = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=eval_vec_sh)
+    fvec = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=eval_vec_sh)
+    lowered["group_images"] = jax.jit(lambda x: x.reshape(m, micro, *image_shape), out_shardings=grouped_images).lower(
+        jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sh)
+    )
+    lowered["group_labels"] = jax.jit(lambda y: y.reshape(m, micro), out_shardings=grouped_labels).lower(
+        jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sh)
+    )
+    if with_eval:
+        lowered["tail"] = jax.jit(eval_loss, out_shardings=(rep[-1], rep[-1], rep[-1])).lower(logits_sds, vec, fvec)
+    options = {key: cpu_init_options(mesh) for key in lowered if isinstance(key, tuple) and key[1] == "init"}
+    step_options = cpu_step_options(mesh) if compiler_options is None else compiler_options
+    compiled = compile_all(lowered, options, default=step_options)
+    for (s, name), program in ((k, v) for k, v in compiled.items() if isinstance(k, tuple)):
+        programs[s][name] = program
+    eval_tail, group_images, group_labels = compiled.get("tail"), compiled["group_images"], compiled["group_labels"]
+    compile_seconds = time.perf_counter() - start
+
+    schedule = GPipe(programs, rep, m, batch_size, seed, group_images, group_labels, eval_tail)
+    per_step = [[*(CompiledPart(name, prog[name], m, data_ways) for name in PER_MICROBATCH if name in prog),
+                 CompiledPart("update", prog["update"], 1, data_ways)] for prog in programs]  # fmt: skip
+    program = Program(
+        layout=layout,
+        mesh=mesh,
+        batch_size=batch_size,
+        eval_batch_size=eval_batch_size,
+        batch_shardings=(image_sh, label_sh),
+        eval_shardings=(eval_image_sh, eval_vec_sh, eval_vec_sh),
+        placements=placements,
+        compute_placements=placements,
+        num_params=sum(math.prod(r.shape) for r in placements if not r.path.endswith(("mean", "var"))),
+        init=schedule.init,
+        train_step=schedule.train_step,
+        eval_step=schedule.eval_step,
+        compile_seconds=compile_seconds,
+        stages=per_step,
+        stage_param_bytes=param_bytes,
+        stage_optimizer_bytes=opt_bytes,
+        boundary_bytes=[2 * m * b // data_ways for b in act_bytes[:-1]],  # activations forward, gradients back
+        bubble_fraction=bubble_fraction(num_stages, m),
+    )
+    program.record = {
+        "stages": [list(g) for g in groups],
+        "microbatches": m,
+        "bubble_fraction": program.bubble_fraction,
+        "stage_param_bytes_per_device": param_bytes,
+        "stage_optimizer_bytes_per_device": opt_bytes,
+        "bytes_between_stages_per_step": 2 * m * sum(act_bytes[:-1]),  # whole arrays, every boundary
+    }
+    program.description = describe(program, groups, m)
+    return program
+
+
+# The stage programs a training step runs once per micro-batch (update runs once).
+PER_MICROBATCH = ("forward", "backward", "last")
+
+
+def with_shardings(tree, shardings):
+    """ShapeDtypeStructs of an abstract tree, carrying their shardings."""
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree, shardings)
+
+
+def describe(program: Program, groups: list[range], microbatches: int) -> str:
+    """The stage table printed before a pipeline run."""
+    whole = sum(program.stage_param_bytes)
+    lines = [
+        f"pipeline: {len(groups)} stages x {microbatches} micro-batches of "
+        f"{program.batch_size // microbatches}; bubble (S-1)/(M+S-1) = {program.bubble_fraction:.1%}"
+    ]
+    for s, (group, pb, ob) in enumerate(
+        zip(groups, program.stage_param_bytes, program.stage_optimizer_bytes, strict=True)
+    ):
+        lines.append(
+            f"  stage {s}: layers {group.start}-{group.stop - 1}, parameters {pb:,} B per device "
+            f"({pb / whole:.0%} of the model's {whole:,} B), optimizer {ob:,} B"
+        )
+    lines.append(f"  between stages: {program.record['bytes_between_stages_per_step']:,} B per step")
+    return "\n".join(lines)

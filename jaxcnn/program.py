@@ -1,0 +1,71 @@
+"""One interface for every compiled training program, whatever the layout.
+
+    program = build_program(...)       # jaxcnn.build: dispatches on the layout
+    state = program.init()
+    state, metrics = program.train_step(state, *program.place_batch(images, labels))
+
+An SPMD layout (single, dp, fsdp, tp, hybrid, spatial, user tables) compiles to one program
+over the whole mesh (jaxcnn.spmd); the pipeline to one program per stage and kind, driven
+by the host (jaxcnn.pipeline). Both fill the same fields, so the fit loop, the scripts and
+the analysis never ask which one they hold: `stages` lists, per stage, the compiled
+programs one optimizer step runs and how often, which is all a cost reader needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxcnn.data import to_global
+from jaxcnn.sharding.layouts import Layout
+from jaxcnn.sharding.partition import ParamPlacement
+
+
+class CompiledPart(NamedTuple):
+    """A compiled program one optimizer step runs `calls` times, on `devices` devices."""
+
+    name: str
+    compiled: Any  # jax.stages.Compiled
+    calls: int
+    devices: int
+
+
+@dataclass
+class Program:
+    """Everything compiled for one (model, layout, mesh, batch size)."""
+
+    layout: Layout
+    mesh: Mesh
+    batch_size: int
+    eval_batch_size: int
+    batch_shardings: tuple[NamedSharding, NamedSharding]  # train (images, labels)
+    eval_shardings: tuple[NamedSharding, NamedSharding, NamedSharding]  # (images, labels, mask)
+    placements: list[ParamPlacement]  # parameters, then model state (BN statistics); pipeline: "stage<s>/" paths
+    compute_placements: list[ParamPlacement]  # parameters as used for compute (FSDP: gathered)
+    num_params: int
+    init: Any  # () -> state, each device creating its own shards; None when not compiled
+    train_step: Any  # (state, images, labels) -> (state, {"loss", "accuracy"[, "skipped"]})
+    eval_step: Any  # (state, images, labels, mask) -> (loss_sum, correct_sum, predictions); None without eval
+    compile_seconds: float
+    stages: list[list[CompiledPart]]  # per stage (SPMD: one), what a train step runs
+    stage_param_bytes: list[int]  # parameters + statistics per device, per stage
+    stage_optimizer_bytes: list[int]
+    abstract_state: Any = None  # ShapeDtypeStructs with shardings: what a checkpoint restores into
+    state_shardings: Any = None
+    average_step: Any = None  # local SGD: compiled (state) -> state, replicas averaged
+    sync_every: int = 0  # local SGD: run average_step every this many steps (0: never)
+    batch_order: np.ndarray | None = None  # gradient accumulation: jaxcnn.steps.UpdatePlan.batch_order
+    boundary_bytes: list[int] = field(default_factory=list)  # pipeline: per device per step, sent across each stage boundary
+    bubble_fraction: float = 0.0  # pipeline: share of each stage's time it idles
+    record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)
+    description: str = ""  # printed before training (the pipeline's stage table)
+
+    def place_batch(self, images: np.ndarray, labels: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """A host batch as the train step's global arrays (each process gives its rows)."""
+        if self.batch_order is not None:
+            images, labels = images[self.batch_order], labels[self.batch_order]
+        return to_global(images, self.batch_shardings[0]), to_global(labels, self.batch_shardings[1])

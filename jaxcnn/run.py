@@ -1,0 +1,249 @@
+"""One training run from its flags: check them, load the data, start the devices, compile,
+fit, write the results. `experiments/train.py` is its command line.
+
+    record = train(parse_flags(["--layout", "hybrid", "--mesh", "data=4,model=2"]))
+
+Bad input fails before anything slow starts -- the flags, then the files, then the mesh
+against the layout and every size against its degrees -- as one UserError line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+import jax
+
+from jaxcnn import cli, results
+from jaxcnn.analysis.cost import program_cost
+from jaxcnn.analysis.hardware import parse_bytes
+from jaxcnn.analysis.lint import format_report, lint_program
+from jaxcnn.autobatch import largest_batch
+from jaxcnn.build import build_program, build_programs
+from jaxcnn.checkpoint import Checkpointer, check_checkpoint_flags
+from jaxcnn.data import Augment, Dataset, Loader, load_csv, parse_image_shape, synthetic_dataset
+from jaxcnn.distributed import cluster_from, initialize
+from jaxcnn.errors import UserError
+from jaxcnn.fit import FitResult, Resume, fit
+from jaxcnn.optim import optim_for_batch
+from jaxcnn.sharding import ParallelDims, build_mesh, format_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
+from jaxcnn.sharding.mesh import host_devices_for, simulate_cpu_devices
+from jaxcnn.sharding.partition import quiet_fallbacks
+from jaxcnn.steps import plan_updates
+
+PROG = "train.py"
+
+
+def parse_flags(argv=None, description: str | None = None):
+    parser = cli.FlagParser(prog=PROG, description=description, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    cli.add_model_flags(parser)
+    cli.add_data_flags(parser)
+    cli.add_mesh_flags(parser)
+    cli.add_train_flags(parser)
+    cli.add_run_flags(parser)
+    g = parser.add_argument_group("output")
+    g.add_argument("--results-dir", default="results")
+    g.add_argument("--run-name", help="default: <model>-<layout>-<mesh>")
+    g.add_argument(
+        "--submission", help="where predictions for a label-free test file go (default: <results-dir>/submission.csv)"
+    )
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def train(args) -> dict:
+    """The run `args` (parse_flags) ask for; returns the result record it wrote."""
+    started = time.perf_counter()
+    configs = cli.configs_from_flags(args)
+    model_config, optim_config, train_config, update_config = configs
+    layout = parse_rules(args.layout_rules) if args.layout_rules else get_layout(args.layout)
+    mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
+    cluster = cluster_from(args.coordinator, args.num_processes, args.process_id)
+    loader_options = dict(augment=Augment(args.augment_shift, args.augment_flip), workers=args.input_workers,
+                          depth=args.prefetch)  # fmt: skip
+    budget = parse_bytes(args.auto_batch) if args.auto_batch else None
+    _check_flags(args, layout, train_config, budget)
+    results_dir = results.ensure_writable_dir(args.results_dir)
+    train_set, test_set = load_data(args, model_config.num_classes)
+    loader = Loader(train_set, **loader_options)
+
+    # --- devices and mesh (build_program checks every size against the layout's degrees) ---
+    host_devices = host_devices_for(mesh_shape, args.host_devices, cli.DEFAULT_SIMULATED_DEVICES)
+    if cluster.num_processes > 1 and args.host_devices is None:  # the mesh's devices, shared by the processes
+        host_devices = max(host_devices // cluster.num_processes, 1)
+    simulate_cpu_devices(host_devices)
+    initialize(cluster)  # jax.distributed, before any device is touched
+    checkpointer = _open_checkpoints(args)
+    devices = jax.devices()
+    simulated = devices[0].platform == "cpu" and len(devices) > 1
+    if simulated and args.host_devices is None and jax.process_index() == 0:
+        print(f"{PROG}: no accelerator found; simulating {len(devices)} CPU devices (--host-devices N to change)")
+    mesh_shape = resolve_mesh(mesh_shape, len(devices))
+    dims = ParallelDims(layout, mesh_shape)
+    for note in dims.notes:
+        warnings.warn(note, stacklevel=1)
+    mesh = build_mesh(mesh_shape, devices)
+
+    # --- compile and train --------------------------------------------------------------
+    if budget:
+        train_config = auto_batch(args, configs, layout, mesh, train_set.image_shape, budget, len(train_set))
+    programs = build_programs(
+        model_config, optim_config, layout, mesh, train_set.image_shape, train_config, len(train_set),
+        update=update_config, microbatches=args.microbatches, stage_split=args.stage_split,
+    )  # fmt: skip
+    program = programs[train_config.batch_size]
+    if program.description and jax.process_index() == 0:
+        print(program.description)
+    if args.print_shardings and jax.process_index() == 0:
+        print(format_report(lint_program(program)))
+    try:
+        state, resume = start_state(program, checkpointer, args.resume)
+        outcome = fit(
+            programs, state, loader, test_set, train_config, progress=not args.quiet and jax.process_index() == 0,
+            checkpointer=checkpointer, resume=resume, skip_nonfinite=update_config.skip_nonfinite,
+        )  # fmt: skip
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()  # saves in flight finish, even when the run stops on an error
+
+    # --- results --------------------------------------------------------------------------
+    record = run_record(args, configs, programs, train_config, outcome, train_set, test_set)
+    record["wall_seconds"] = time.perf_counter() - started
+    if jax.process_index() == 0:
+        run_name = args.run_name or f"{model_config.name}-{layout.name}-{format_mesh(mesh_shape).replace(',', '_')}"
+        written = list(results.write_run(results_dir, run_name, record, outcome.epochs))
+        if test_set.labels is None:
+            submission = args.submission or results_dir / "submission.csv"
+            written.append(results.write_submission(submission, outcome.final_eval.predictions))
+        print(results.summary_text(record))
+        print("wrote         ", ", ".join(map(str, written)))
+    return record
+
+
+def _check_flags(args, layout, train_config, budget) -> None:
+    """What the flags alone can tell is wrong (the configs check their own fields)."""
+    if layout.stage_axis and args.checkpoint_dir:
+        raise UserError("--checkpoint-dir does not apply to --layout pipeline yet: its state lives per stage")
+    if args.resume and not args.checkpoint_dir:
+        raise UserError("--resume needs --checkpoint-dir: where the checkpoints are")
+    if budget and train_config.batch_schedule:
+        raise UserError("--auto-batch picks one batch size; drop it or --batch-schedule")
+    if args.run_name:
+        results.check_run_name(args.run_name)
+    if args.checkpoint_dir:  # the numbers now; the directory once JAX has started (orbax uses it)
+        check_checkpoint_flags(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
+
+
+def load_data(args, num_classes: int) -> tuple[Dataset, Dataset]:
+    """(training set, test set): the CSVs, or --synthetic images."""
+    if args.synthetic:
+        shape = parse_image_shape(args.synthetic)
+        train_set = synthetic_dataset(shape, args.synthetic_size, num_classes, args.seed)
+        return train_set, synthetic_dataset(shape, max(args.synthetic_size // 4, 1), num_classes, args.seed + 1)
+    train_set = load_csv(args.data, channels=args.channels, num_classes=num_classes)
+    test_set = load_csv(args.test_data, channels=args.channels, num_classes=num_classes, need_labels=False)
+    if test_set.image_shape != train_set.image_shape:
+        raise UserError(
+            f"test images are {test_set.image_shape}, training images {train_set.image_shape}; use matching files"
+        )
+    return train_set, test_set
+
+
+def _open_checkpoints(args) -> Checkpointer | None:
+    """The checkpoint manager (before anything is compiled), refusing to mix runs."""
+    if not args.checkpoint_dir:
+        return None
+    checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
+    if checkpointer.steps() and not args.resume:
+        raise UserError(
+            f"--checkpoint-dir {checkpointer.directory} already holds checkpoints (steps "
+            f"{', '.join(map(str, checkpointer.steps()))}); pass --resume to continue them or give a new directory"
+        )
+    return checkpointer
+
+
+def start_state(program, checkpointer, resume: bool):
+    """A fresh state, or (--resume) the newest good checkpoint restored into this program's
+    shardings -- which may be another layout's or mesh's than it was saved under."""
+    if checkpointer is None or not resume:
+        return program.init(), None
+    restored = checkpointer.restore_latest(program.abstract_state)
+    if restored is None:
+        warnings.warn(f"no checkpoint in {checkpointer.directory} yet; starting from step 0", stacklevel=2)
+        return program.init(), None
+    if jax.process_index() == 0:
+        print(f"{PROG}: resuming from step {restored.step} ({checkpointer.directory})")
+    return restored.state, Resume.from_record(restored.record)
+
+
+def auto_batch(args, configs, layout, mesh, image_shape, budget: float, train_size: int):
+    """`--auto-batch`: the train config with the largest batch whose compiled step fits."""
+    model_config, optim_config, train_config, update_config = configs
+    if layout.stage_axis:
+        raise UserError("--auto-batch needs a single-program layout; give the pipeline a --batch-size")
+    # a batch must split over the data shards and then into the micro-batches
+    multiple = plan_updates(update_config, layout, mesh).groups * update_config.grad_accum
+
+    def peak(batch: int) -> int:
+        with quiet_fallbacks():  # placements are the same for every probe
+            program = build_program(
+                model_config, optim_config, layout, mesh, image_shape, batch, 1000,
+                with_eval=False, with_init=False, update=update_config,
+            )  # fmt: skip
+        return program_cost(program).peak_bytes
+
+    search = largest_batch(peak, budget, multiple, train_size)
+    print(
+        f"{PROG}: --auto-batch {args.auto_batch}: global batch {search.batch_size} "
+        f"({search.peak_bytes:,} bytes per device; {len(search.probes)} compiles: "
+        + ", ".join(f"{b}->{p / 2**20:.0f}MiB" for b, p in search.probes)
+        + ")"
+    )
+    return dataclasses.replace(train_config, batch_size=search.batch_size)
+
+
+def run_record(args, configs, programs, train_config, outcome: FitResult, train_set, test_set) -> dict:
+    """The result JSON (DESIGN's fields and more)."""
+    model_config, optim_config, _, update_config = configs
+    program = programs[train_config.batch_size]
+    devices = program.mesh.devices.flat
+    return {
+        "model": model_config.name,
+        "layout": program.layout.name,
+        "layout_rules": [list(rule) for rule in program.layout.rules],
+        "mesh": dict(program.mesh.shape),
+        "num_devices": program.mesh.size,
+        "num_processes": jax.process_count(),
+        "device_kind": devices[0].device_kind,
+        "platform": devices[0].platform,
+        "simulated_devices": devices[0].platform == "cpu" and program.mesh.size > 1,
+        "num_params": program.num_params,
+        **program.record,
+        "global_batch_size": train_config.batch_size,
+        "batch_schedule": [list(pair) for pair in train_config.batch_schedule],
+        "learning_rates": {str(b): optim_for_batch(optim_config, train_config, b).learning_rate for b in programs},
+        "grad_accum": update_config.grad_accum,
+        "sync": update_config.sync,
+        "sync_every": update_config.sync_every,
+        "staleness": update_config.staleness,
+        "remat": model_config.remat,
+        "dtype": model_config.dtype,
+        "checkpoint_dir": args.checkpoint_dir,
+        "resumed_from_step": outcome.extra["resumed_from_step"],
+        "skipped_steps": outcome.extra["skipped_steps"],
+        "diverged_at_step": outcome.extra["diverged_at_step"],  # loss first > DIVERGENCE_FACTOR x step 1's
+        "epochs": len(outcome.epochs),
+        "steps": outcome.steps,
+        "loss_history": outcome.loss_history,
+        "test_accuracy": outcome.final_eval.accuracy,
+        "test_loss": outcome.final_eval.loss,
+        "images_per_second": outcome.images_per_second,
+        "compile_seconds": program.compile_seconds,
+        "train_seconds": outcome.train_seconds,
+        "input_wait_fraction": outcome.input_wait_fraction,
+        "data": train_set.source,
+        "test_data": test_set.source,
+        "jax_version": jax.__version__,
+        "config": dict(vars(args)),
+    }

@@ -1,0 +1,165 @@
+"""SPMD programs: one jitted program over the whole mesh for every layout but the pipeline.
+
+Abstract shapes -> shardings from the layout's table -> AOT-compiled init, train and eval
+steps; nothing is allocated. `init` is `jit(init, out_shardings)`: each device creates
+its own shards, the model is never built on one device and scattered. The layout reaches
+the model only through these shardings and `activation_layout` (jaxcnn.steps).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
+from jaxcnn.config import ModelConfig, OptimConfig, UpdateConfig
+from jaxcnn.models import build_model
+from jaxcnn.optim import make_optimizer
+from jaxcnn.program import CompiledPart, Program
+from jaxcnn.sharding import axes as ax
+from jaxcnn.sharding.layouts import Layout
+from jaxcnn.sharding.partition import (
+    bytes_per_device,
+    data_sharding,
+    optimizer_shardings,
+    place_variables,
+    quiet_fallbacks,
+)
+from jaxcnn.steps import (
+    StepContext,
+    TrainState,
+    average_replicas,
+    eval_step,
+    make_train_step,
+    plan_updates,
+    replica_sharding,
+    replicate,
+    split_model,
+)
+
+
+def build_spmd_program(
+    model_config: ModelConfig,
+    optim_config: OptimConfig,
+    layout: Layout,
+    mesh: Mesh,
+    image_shape: tuple[int, int, int],
+    batch_size: int,
+    total_steps: int,
+    *,
+    seed: int,
+    eval_batch_size: int,
+    with_eval: bool,
+    with_init: bool,
+    update: UpdateConfig,
+    compiler_options: dict | None,
+) -> Program:
+    """Shapes -> shardings -> compiled init, train and eval steps (arguments: jaxcnn.build)."""
+    tx = make_optimizer(optim_config, total_steps)
+    plan = plan_updates(update, layout, mesh)
+    replicas = plan.groups if update.local else 0
+
+    def init() -> TrainState:
+        _, params, model_state = split_model(build_model(model_config, image_shape, seed))
+        rng = jax.random.key_data(jax.random.key(seed + 1))
+        opt_state = tx.init(params)
+        if replicas:  # local SGD: every replica starts from the same parameters
+            params, model_state, opt_state = replicate((params, model_state, opt_state), replicas)
+        history = (params,) * update.staleness
+        return TrainState(jnp.zeros((), jnp.int32), params, model_state, opt_state, rng, history)
+
+    graphdef, abstract_params, abstract_stats = split_model(
+        nnx.eval_shape(lambda: build_model(model_config, image_shape, seed))
+    )
+    abstract = jax.eval_shape(init)
+
+    # --- shard: every array's placement, from the layout's rules ----------------------
+    replicated = NamedSharding(mesh, P())
+    param_shardings, placements = place_variables(abstract_params, layout, mesh)
+    compute_shardings, compute_placements = None, placements
+    if layout.fsdp:  # FSDP: where parameters live for compute (gathered)
+        with quiet_fallbacks():  # the same fallbacks were just reported
+            compute_shardings, compute_placements = place_variables(abstract_params, layout.compute_layout(), mesh)
+    stat_shardings, stat_placements = place_variables(abstract_stats, layout, mesh)
+    opt_shardings = optimizer_shardings(tx, jax.eval_shape(tx.init, abstract_params), param_shardings, mesh)
+    grad_shardings = compute_shardings if compute_shardings is not None else param_shardings
+    if replicas:  # each leaf gains a leading replica dim, split over the replica axes
+        param_shardings, stat_shardings, opt_shardings = jax.tree.map(
+            lambda s: replica_sharding(s, plan.groups_axes), (param_shardings, stat_shardings, opt_shardings)
+        )
+    state_shardings = TrainState(
+        step=replicated,
+        params=param_shardings,
+        model_state=stat_shardings,
+        opt_state=opt_shardings,
+        rng=replicated,
+        history=(param_shardings,) * update.staleness,
+    )
+    image_sharding = data_sharding(ax.IMAGE_BHWC, layout, mesh)  # train and eval batches alike
+    vector_sharding = data_sharding((ax.BATCH,), layout, mesh)  # labels, the eval mask
+
+    # --- compile: one program per step kind, ahead of time ----------------------------
+    start = time.perf_counter()
+    abstract_state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, state_shardings
+    )
+    images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sharding)
+    labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=vector_sharding)
+    context = StepContext(graphdef, tx, mesh, layout, compute_shardings)
+    train_step = make_train_step(context, plan, param_shardings, grad_shardings)
+    lowered = {
+        "train": jax.jit(
+            train_step,
+            in_shardings=(state_shardings, image_sharding, vector_sharding),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=0,
+        ).lower(abstract_state, images, labels)
+    }
+    if replicas:
+        lowered["average"] = jax.jit(
+            average_replicas, in_shardings=(state_shardings,), out_shardings=state_shardings, donate_argnums=0
+        ).lower(abstract_state)
+    if with_eval:
+        eval_images = jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=image_sharding)
+        eval_labels = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=vector_sharding)
+        eval_mask = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=vector_sharding)
+        lowered["eval"] = jax.jit(
+            lambda state, x, y, m: eval_step(graphdef, layout, mesh, bool(replicas), state, x, y, m),
+            in_shardings=(state_shardings, image_sharding, vector_sharding, vector_sharding),
+            out_shardings=(replicated, replicated, replicated),
+        ).lower(abstract_state, eval_images, eval_labels, eval_mask)
+    if with_init:
+        lowered["init"] = jax.jit(init, out_shardings=state_shardings).lower()
+    step_options = cpu_step_options(mesh) if compiler_options is None else compiler_options
+    compiled = compile_all(lowered, {"init": cpu_init_options(mesh)}, default=step_options)
+    compile_seconds = time.perf_counter() - start
+
+    return Program(
+        layout=layout,
+        mesh=mesh,
+        batch_size=batch_size,
+        eval_batch_size=eval_batch_size,
+        batch_shardings=(image_sharding, vector_sharding),
+        eval_shardings=(image_sharding, vector_sharding, vector_sharding),
+        placements=placements + stat_placements,
+        compute_placements=compute_placements,
+        num_params=sum(math.prod(p.shape) for p in placements),
+        init=compiled.get("init"),
+        train_step=compiled["train"],
+        eval_step=compiled.get("eval"),
+        compile_seconds=compile_seconds,
+        stages=[[CompiledPart("train", compiled["train"], 1, mesh.size)]],
+        stage_param_bytes=[bytes_per_device((abstract_state.params, abstract_state.model_state))],
+        stage_optimizer_bytes=[bytes_per_device(abstract_state.opt_state)],
+        abstract_state=abstract_state,
+        state_shardings=state_shardings,
+        average_step=compiled.get("average"),
+        sync_every=update.sync_every if replicas else 0,
+        batch_order=plan.batch_order(batch_size),
+    )
