@@ -17,7 +17,7 @@ from jaxcnn.errors import UserError
 from jaxcnn.models import build_model
 from jaxcnn.optim import optim_for_batch
 from jaxcnn.pipeline import build_pipeline_program
-from jaxcnn.program import Program
+from jaxcnn.program import Program, ProgramSpec
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.mesh import ParallelDims
 from jaxcnn.sharding.partition import ParamPlacement, place_variables
@@ -62,16 +62,13 @@ def build_program(
     ParallelDims(layout, dict(mesh.shape)).validate(
         batch_size, eval_batch_size=eval_batch_size, image_shape=image_shape, grad_accum=update.grad_accum
     )
-    common = dict(seed=seed, eval_batch_size=eval_batch_size, with_eval=with_eval, compiler_options=compiler_options)
-    if layout.stage_axis:
-        return build_pipeline_program(
-            model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps,
-            microbatches=microbatches, stage_split=stage_split, **common,
-        )  # fmt: skip
-    return build_spmd_program(
-        model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps,
-        with_init=with_init, update=update, **common,
+    spec = ProgramSpec(
+        model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
+        with_eval, with_init, update, compiler_options,
     )  # fmt: skip
+    if layout.stage_axis:
+        return build_pipeline_program(spec, microbatches, stage_split)
+    return build_spmd_program(spec)
 
 
 def build_programs(

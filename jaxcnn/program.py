@@ -20,9 +20,28 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxcnn.config import ModelConfig, OptimConfig, UpdateConfig
 from jaxcnn.data import to_global
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import ParamPlacement
+
+
+class ProgramSpec(NamedTuple):
+    """What to compile: the arguments of `jaxcnn.build.build_program`, checked there."""
+
+    model_config: ModelConfig
+    optim_config: OptimConfig
+    layout: Layout
+    mesh: Mesh
+    image_shape: tuple[int, int, int]
+    batch_size: int
+    total_steps: int  # the learning-rate schedule's length
+    seed: int
+    eval_batch_size: int
+    with_eval: bool  # compile the eval step
+    with_init: bool  # compile init (SPMD; a pipeline always does)
+    update: UpdateConfig
+    compiler_options: dict | None  # None: jaxcnn.compiling's for the platform
 
 
 class CompiledPart(NamedTuple):
@@ -59,7 +78,9 @@ class Program:
     average_step: Any = None  # local SGD: compiled (state) -> state, replicas averaged
     sync_every: int = 0  # local SGD: run average_step every this many steps (0: never)
     batch_order: np.ndarray | None = None  # gradient accumulation: jaxcnn.steps.UpdatePlan.batch_order
-    boundary_bytes: list[int] = field(default_factory=list)  # pipeline: per device per step, sent across each stage boundary
+    boundary_bytes: list[int] = field(
+        default_factory=list
+    )  # pipeline: per device per step, sent across each stage boundary
     bubble_fraction: float = 0.0  # pipeline: share of each stage's time it idles
     record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)
     description: str = ""  # printed before training (the pipeline's stage table)

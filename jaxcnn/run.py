@@ -36,7 +36,9 @@ PROG = "train.py"
 
 
 def parse_flags(argv=None, description: str | None = None):
-    parser = cli.FlagParser(prog=PROG, description=description, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.FlagParser(
+        prog=PROG, description=description, formatter_class=cli.argparse.RawDescriptionHelpFormatter
+    )
     cli.add_model_flags(parser)
     cli.add_data_flags(parser)
     cli.add_mesh_flags(parser)

@@ -14,16 +14,14 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
-from jaxcnn.config import ModelConfig, OptimConfig, UpdateConfig
 from jaxcnn.models import build_model
 from jaxcnn.optim import make_optimizer
-from jaxcnn.program import CompiledPart, Program
+from jaxcnn.program import CompiledPart, Program, ProgramSpec
 from jaxcnn.sharding import axes as ax
-from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import (
     bytes_per_device,
     data_sharding,
@@ -44,23 +42,10 @@ from jaxcnn.steps import (
 )
 
 
-def build_spmd_program(
-    model_config: ModelConfig,
-    optim_config: OptimConfig,
-    layout: Layout,
-    mesh: Mesh,
-    image_shape: tuple[int, int, int],
-    batch_size: int,
-    total_steps: int,
-    *,
-    seed: int,
-    eval_batch_size: int,
-    with_eval: bool,
-    with_init: bool,
-    update: UpdateConfig,
-    compiler_options: dict | None,
-) -> Program:
-    """Shapes -> shardings -> compiled init, train and eval steps (arguments: jaxcnn.build)."""
+def build_spmd_program(spec: ProgramSpec) -> Program:
+    """Shapes -> shardings -> compiled init, train and eval steps."""
+    (model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
+     with_eval, with_init, update, compiler_options) = spec  # fmt: skip
     tx = make_optimizer(optim_config, total_steps)
     plan = plan_updates(update, layout, mesh)
     replicas = plan.groups if update.local else 0

@@ -26,14 +26,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
-from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.models import build_model, cross_entropy
 from jaxcnn.optim import apply_optimizer, make_optimizer
 from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
 from jaxcnn.pipeline.split import Stage, default_microbatches, stage_groups, sub_meshes
-from jaxcnn.program import CompiledPart, Program
+from jaxcnn.program import CompiledPart, Program, ProgramSpec
 from jaxcnn.sharding import axes as ax
-from jaxcnn.sharding.layouts import DP, Layout
+from jaxcnn.sharding.layouts import DP
 from jaxcnn.sharding.mesh import ParallelDims
 from jaxcnn.sharding.partition import (
     ParamPlacement,
@@ -46,23 +45,13 @@ from jaxcnn.sharding.partition import (
 
 
 def build_pipeline_program(
-    model_config: ModelConfig,
-    optim_config: OptimConfig,
-    layout: Layout,
-    mesh: Mesh,
-    image_shape: tuple[int, int, int],
-    batch_size: int,
-    total_steps: int,
-    *,
-    microbatches: int | None = None,
-    stage_split: tuple[int, ...] | None = None,
-    seed: int = 0,
-    eval_batch_size: int,
-    with_eval: bool,
-    compiler_options: dict | None,
+    spec: ProgramSpec, microbatches: int | None = None, stage_split: tuple[int, ...] | None = None
 ) -> Program:
-    """Per-stage programs on the stages' sub-meshes, run by the GPipe schedule (arguments:
-    jaxcnn.build; `microbatches` None: `default_microbatches`)."""
+    """Per-stage programs on the stages' sub-meshes, run by the GPipe schedule
+    (`microbatches` None: `default_microbatches`; `stage_split` None: balanced by FLOPs)."""
+    # a pipeline always compiles init, and has no update rule but its micro-batches (jaxcnn.build checks)
+    (model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
+     with_eval, _, _, compiler_options) = spec  # fmt: skip
     num_stages = mesh.shape[layout.stage_axis]
     groups = stage_groups(model_config, image_shape, num_stages, stage_split)
     m = microbatches or default_microbatches(batch_size, num_stages)

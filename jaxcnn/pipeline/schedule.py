@@ -67,7 +67,9 @@ class GPipe:
     def init(self) -> PipelineState:
         rep = self.replicated[0]
         rng = jax.device_put(jax.random.key_data(jax.random.key(self.seed + 1)), rep)
-        return PipelineState(jax.device_put(jnp.zeros((), jnp.int32), rep), tuple(p["init"]() for p in self.programs), rng)
+        return PipelineState(
+            jax.device_put(jnp.zeros((), jnp.int32), rep), tuple(p["init"]() for p in self.programs), rng
+        )
 
     def train_step(self, state: PipelineState, images, labels):
         programs, m, n, rep, mbs = self.programs, self.microbatches, self.stages, self.replicated, self.indices

@@ -197,7 +197,9 @@ class ParallelDims:
 
     def _axes_text(self, logical: str) -> str:
         """The mesh axes `logical` is split over, as "data=4" or "data=2xspatial=2"."""
-        return "x".join(f"{a}={self.mesh_shape[a]}" for a in self.layout.axes_for(logical) or () if a in self.mesh_shape)
+        return "x".join(
+            f"{a}={self.mesh_shape[a]}" for a in self.layout.axes_for(logical) or () if a in self.mesh_shape
+        )
 
 
 def host_devices_for(shape: MeshShape, host_devices: int | None, default: int) -> int:
