@@ -14,13 +14,12 @@ with contextlib.suppress(RuntimeError):  # under pytest, conftest has already se
     jax.config.update("jax_num_cpu_devices", 8)
 
 import json
-import warnings
 from pathlib import Path
 
 from jaxcnn.analysis.lint import ShardingReport, golden_table
 from jaxcnn.build import plan_placements
 from jaxcnn.config import ModelConfig
-from jaxcnn.sharding import LAYOUTS, build_mesh, parse_mesh, resolve_mesh
+from jaxcnn.sharding import LAYOUTS, build_mesh, parse_mesh, quiet_fallbacks, resolve_mesh
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 DEVICES = 8
@@ -33,8 +32,7 @@ def golden_for(name: str) -> dict:
     layout = LAYOUTS[name]
     shape = resolve_mesh(parse_mesh(layout.default_mesh), DEVICES if name != "single" else 1)
     mesh = build_mesh(shape)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fallbacks are recorded in the table itself
+    with quiet_fallbacks():  # fallbacks are recorded in the table itself
         placements = plan_placements(ModelConfig(), layout, mesh, IMAGE_SHAPE)
     report = ShardingReport(layout, dict(mesh.shape), placements)
     return {"layout": name, "mesh": dict(mesh.shape), "model": ModelConfig().name, "parameters": golden_table(report)}

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import REPO, load_train_module
+from conftest import REPO, bundled_digits, load_train_module
 
 from jaxcnn import cli
 from jaxcnn.build import build_program
@@ -68,15 +68,17 @@ def test_resume_continues_exactly_and_onto_another_layout(tmp_path):
 
 
 def test_a_resumed_run_holds_every_epoch_and_reports_no_throughput_when_nothing_was_left(tmp_path, capsys):
-    # 1437 digits at batch 256: 5 steps an epoch, so both checkpoints fall on an epoch's end
-    flags = ["--batch-size", "256", "--epochs", "2", "--checkpoint-every", "5"]
+    # a checkpoint every epoch's steps (the bundled digits at batch 256): both fall on an epoch's end
+    per_epoch = len(bundled_digits()) // 256
+    flags = ["--batch-size", "256", "--epochs", "2", "--checkpoint-every", str(per_epoch)]
     full = train(tmp_path, "full", *flags, "--checkpoint-dir", str(tmp_path / "a"))
+    assert sorted(int(p.name) for p in (tmp_path / "a").iterdir() if p.name.isdigit()) == [per_epoch, 2 * per_epoch]
     subprocess.run(["cp", "-r", str(tmp_path / "a"), str(tmp_path / "b")], check=True)
-    subprocess.run(["rm", "-rf", str(tmp_path / "b" / "10")], check=True)
+    subprocess.run(["rm", "-rf", str(tmp_path / "b" / str(2 * per_epoch))], check=True)
     capsys.readouterr()
-    done = train(tmp_path, "done", *flags, "--checkpoint-dir", str(tmp_path / "a"), "--resume")  # at step 10 of 10
+    done = train(tmp_path, "done", *flags, "--checkpoint-dir", str(tmp_path / "a"), "--resume")  # at the last step
     summary = capsys.readouterr().out
-    later = train(tmp_path, "later", *flags, "--checkpoint-dir", str(tmp_path / "b"), "--resume")  # at step 5
+    later = train(tmp_path, "later", *flags, "--checkpoint-dir", str(tmp_path / "b"), "--resume")  # after epoch 1
     columns = ["epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy"]
     reference = pd.read_csv(tmp_path / "full.csv")[columns]
     assert list(reference["epoch"]) == [1, 2] and full["epochs"] == 2
@@ -87,7 +89,8 @@ def test_a_resumed_run_holds_every_epoch_and_reports_no_throughput_when_nothing_
     # nothing was trained: no throughput (it read 1,000,000,000 images/s), and the summary says why
     on_disk = json.loads((tmp_path / "done.json").read_text())
     assert done["images_per_second"] is None and on_disk["images_per_second"] is None
-    assert on_disk["input_wait_fraction"] is None and on_disk["resumed_from_step"] == 10
+    assert on_disk["input_wait_fraction"] is None and on_disk["resumed_from_step"] == 2 * per_epoch
+    assert later["resumed_from_step"] == per_epoch
     assert "nothing left to train" in summary and "images/s" not in summary
     assert later["images_per_second"] > 0 and 0 <= later["input_wait_fraction"] < 1
 
@@ -145,9 +148,9 @@ def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
-    assert "resuming from step" in resumed.stdout
     ref, run = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ref", "run"))
-    assert run["resumed_from_step"] >= kill_after - 10
+    assert run["resumed_from_step"] % 10 == 0 and kill_after - 10 <= run["resumed_from_step"] < 80
+    assert f"resuming from step {run['resumed_from_step']} " in resumed.stdout
     assert run["loss_history"] == ref["loss_history"]
     a, b = (final_state(tmp_path / d, config=ModelConfig()) for d in ("ref", "ck"))
     assert a.step == b.step == 80 and arrays_equal(a.state, b.state)

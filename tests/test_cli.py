@@ -6,7 +6,7 @@ import sys
 
 import pandas as pd
 import pytest
-from conftest import REPO, load_train_module, write_digits_csv
+from conftest import REPO, bundled_digits, load_train_module, write_digits_csv
 
 from jaxcnn import cli
 from jaxcnn.results import EPOCH_COLUMNS
@@ -31,7 +31,7 @@ def test_cli_run_writes_both_result_files(tmp_path):
     record = json.loads((tmp_path / "e2e.json").read_text())
     assert set(record) >= JSON_KEYS
     assert record["layout"] == "dp" and record["mesh"] == {"data": 8} and record["num_devices"] == 8
-    assert record["steps"] == 2 * (1437 // 32) == len(record["loss_history"])
+    assert record["steps"] == 2 * (len(bundled_digits()) // 32) == len(record["loss_history"])
     assert 0.5 < record["test_accuracy"] <= 1.0 and record["images_per_second"] > 0
     epochs = pd.read_csv(tmp_path / "e2e.csv")
     assert list(epochs.columns) == EPOCH_COLUMNS and list(epochs["epoch"]) == [1, 2]

@@ -5,11 +5,11 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, write_digits_csv
+from conftest import REPO, load_script, write_digits_csv
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.data import Prefetcher, eval_batches, load_csv, parse_image_shape, to_global, train_batches
+from jaxcnn.data import Loader, Prefetcher, eval_batches, load_csv, parse_image_shape, to_global, train_batches
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import build_mesh
 
@@ -119,8 +119,19 @@ def test_global_batch_is_sharded_over_data_axis():
 
 
 def test_prefetcher_keeps_order_counts_waiting_and_reraises():
-    loader = Prefetcher(lambda i: i * i, count=5, depth=2)
-    assert list(loader) == [0, 1, 4, 9, 16] and loader.wait_seconds >= 0
+    def produce(i):
+        if i == 0:
+            time.sleep(0.05)  # a deliberately slow first item: the consumer must wait for it
+        return i * i
+
+    started = time.perf_counter()
+    loader = Prefetcher(produce, count=5, depth=2)
+    assert list(loader) == [0, 1, 4, 9, 16]
+    elapsed = time.perf_counter() - started
+    # the wait for item 0 is counted, and no more than the consumer spent in the loop;
+    # without idle() every wait for an unbuilt item is a stall
+    assert 0.04 <= loader.stall_seconds <= loader.wait_seconds <= elapsed
+    loader.close()
 
     def broken(i):
         if i == 2:
@@ -132,15 +143,19 @@ def test_prefetcher_keeps_order_counts_waiting_and_reraises():
 
 
 def test_prefetcher_workers_keep_order_and_count_the_wait():
-    import time as _time
+    finished = []
 
     def slow(i):
-        _time.sleep(0.02 * (5 - i))  # later items finish first on 4 threads
+        time.sleep(0.02 * (5 - i))  # deliberately slow, later items faster: they finish first on 4 threads
+        finished.append(i)
         return i
 
+    started = time.perf_counter()
     loader = Prefetcher(slow, count=5, depth=4, workers=4)
     assert list(loader) == [0, 1, 2, 3, 4]
-    assert loader.wait_seconds >= 0.05  # the consumer really waited for item 0
+    elapsed = time.perf_counter() - started
+    assert finished.index(3) < finished.index(0)  # built out of order, yielded in order
+    assert 0.05 <= loader.wait_seconds <= elapsed  # the consumer really waited for item 0 (0.1 s)
     loader.close()
 
 
@@ -164,19 +179,6 @@ def test_augmentation_shifts_and_flips_deterministically():
         Augment(shift=-1)
 
 
-class DelayedLoader:
-    """The loader's per-batch work (decode, augmentation) made to take `seconds`."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def __call__(self, images, seed, epoch, index):
-        import time as _time
-
-        _time.sleep(self.seconds)  # the deliberate loader delay
-        return images
-
-
 IDLE_STEPS, IDLE_BATCH, IDLE_SHAPE = 12, 128, (24, 24, 1)
 
 
@@ -198,13 +200,15 @@ def timed_program():
 
 
 def _run(timed_program, delay: float):
+    """fit with a loader that takes `delay` seconds a batch (one worker: one batch every
+    delay, at most 2 ahead): experiments/input_wait.py's deliberately slow loader."""
     from jaxcnn.config import TrainConfig
     from jaxcnn.fit import fit
 
     program, data = timed_program
     config = TrainConfig(batch_size=IDLE_BATCH, epochs=1, max_steps=IDLE_STEPS)
-    return fit(program, program.init(), data, None, config, progress=False, augment=DelayedLoader(delay),
-               input_workers=1, prefetch_depth=2)  # fmt: skip
+    loader = Loader(data, augment=load_script("input_wait").DelayedLoader(delay), workers=1, depth=2)
+    return fit(program, program.init(), loader, None, config, progress=False)
 
 
 def _with_loader(timed_program, delay_in_steps: float):

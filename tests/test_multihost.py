@@ -45,24 +45,28 @@ def test_a_dead_peer_ends_the_run_within_the_bound(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    common = [sys.executable, str(TRAIN), *TINY[:-5], "--epochs", "100000", "--quiet", "--mesh", "data=4",
+    # not --quiet: process 0's progress bar prints a line at each epoch's end (the stream's
+    # text mode splits tqdm's carriage returns into lines)
+    common = [sys.executable, str(TRAIN), *TINY[:-5], "--epochs", "100000", "--mesh", "data=4",
               "--results-dir", str(tmp_path), "--coordinator", f"localhost:{port}", "--num-processes", "2",
               "--host-devices", "2"]  # fmt: skip
     procs = [
         subprocess.Popen([*common, "--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
-    connected = threading.Event()
+    connected, trained = threading.Event(), threading.Event()
 
-    def watch(stream):  # the gloo ranks print once connected: training starts right after
+    def watch(stream):
         for line in stream:
-            if "connected" in line:
+            if "connected" in line:  # the gloo ranks print once connected
                 connected.set()
+            if "epoch=1," in line:  # the step compiled and ran a whole epoch over both processes
+                trained.set()
 
     threading.Thread(target=watch, args=(procs[0].stdout,), daemon=True).start()
     try:
         assert connected.wait(timeout=120), "the processes never connected"
-        time.sleep(6)  # the step compiles and runs
+        assert trained.wait(timeout=120), "the processes connected but never finished an epoch"
         assert all(p.poll() is None for p in procs), "a process ended before the peer was killed"
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
