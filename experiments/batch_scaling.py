@@ -11,8 +11,6 @@ rate, steps, final training loss, test accuracy.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from jaxcnn import cli, plots, results
 from jaxcnn.build import build_programs
 from jaxcnn.config import OptimConfig, TrainConfig
@@ -30,13 +28,11 @@ COLUMNS = [
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     cli.add_model_flags(parser)
     g = parser.add_argument_group("experiment")
-    g.add_argument("--data", default="data/train.csv")
-    g.add_argument("--test-data", default="data/test.csv", help="a labelled CSV to measure accuracy on")
-    g.add_argument("--layout", default="single")
-    g.add_argument("--mesh", help="default: the layout's")
+    cli.add_dataset_flags(g, test_help="a labelled CSV to measure accuracy on")
+    cli.add_layout_flags(g)
     g.add_argument("--batches", type=cli.int_list, default=(16, 32, 64, 128, 256, 512))
     g.add_argument("--base-batch", type=int, default=16, help="the batch --lr is tuned for (default %(default)s)")
     g.add_argument("--epochs", type=int, default=15)
@@ -49,8 +45,7 @@ def parse_flags(argv=None):
         help="gradual warmup, in epochs as Goyal et al. (default %(default)s)",
     )
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out", default="results/batch_scaling.csv")
-    g.add_argument("--plot", default="results/batch_scaling.png")
+    cli.add_output_flags(g, out="results/batch_scaling.csv", plot="results/batch_scaling.png")
     return parser.parse_args(argv)
 
 
@@ -63,8 +58,8 @@ def main(argv=None) -> list[dict]:
     test_set = load_csv(args.test_data, num_classes=model_config.num_classes)
     if test_set.labels is None:
         raise UserError(f"{args.test_data} has no labels; give a labelled --test-data to measure accuracy")
-    out, plot = Path(args.out), Path(args.plot)
-    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh, [out, plot])
+    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh)
+    out, plot = cli.writable_outputs(args.out, args.plot)
     mesh = build_mesh(mesh_shape)
 
     rows, runs = [], [(b, rule) for b in args.batches for rule in ("none", "linear")]

@@ -18,27 +18,22 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from jaxcnn import cli, results
-from jaxcnn.analysis.measure import time_steps
-from jaxcnn.build import build_program
+from jaxcnn.analysis.measure import SIZES, interleaved, random_batch, timing_program, warm_stepper
 from jaxcnn.compiling import CPU_STEP_OPTIONS
-from jaxcnn.config import DTYPES, ModelConfig, OptimConfig
+from jaxcnn.config import DTYPES, ModelConfig
 from jaxcnn.errors import UserError
 from jaxcnn.models import build_model, cross_entropy
-from jaxcnn.sharding import build_mesh, get_layout
-from jaxcnn.sharding.mesh import simulate_cpu_devices
+from jaxcnn.sharding import simulate_cpu_devices
 
 PROG = "bench.py"
-CONFIGS = {"default": ((8, 8, 1), 64), "224": ((224, 224, 3), 8)}
+CONFIGS = {"default": SIZES["8"], "224": SIZES["224"]}
 COLUMNS = [
     "config", "variant", "image_shape", "global_batch_size", "dtype", "median_step_seconds", "images_per_second",
     "compile_seconds", "flops_per_step", "achieved_flops_per_second", "peak_flops_per_second", "mfu", "steps",
@@ -47,13 +42,13 @@ COLUMNS = [
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     parser.add_argument("--configs", default="default,224", help=f"some of {', '.join(CONFIGS)}")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--steps", type=int, default=40, help="warm steps timed per variant (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds the steps are split into")
     parser.add_argument("--batch-224", type=int, default=CONFIGS["224"][1], help="batch of the 224 config")
-    parser.add_argument("--out", default="results/bench.csv")
+    cli.add_output_flags(parser, out="results/bench.csv")
     return parser.parse_args(argv)
 
 
@@ -117,31 +112,16 @@ def plain_jit_stepper(config: ModelConfig, image_shape, images, labels, options:
 
 
 def jaxcnn_stepper(config, layout: str, device, image_shape, batch, images, labels):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = build_program(
-            config, OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=0),
-            get_layout(layout), build_mesh({"data": 1}, [device]), image_shape, batch, 1000, with_eval=False,
-        )  # fmt: skip
-    state = [program.init()]
-
-    def steps(n: int) -> list[float]:
-        seconds, state[0] = time_steps(program, state[0], images, labels, n)
-        return seconds
-
-    return steps, program.compile_seconds, _flops(program.train_step)
+    program = timing_program(config, image_shape, batch, layout, devices=[device])
+    return warm_stepper(program, images, labels), program.compile_seconds, _flops(program.train_step)
 
 
 def main(argv=None) -> list[dict]:
     args = parse_flags(argv)
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in names if c not in CONFIGS]
-    if unknown or not names:
-        raise UserError(f"unknown --configs {', '.join(unknown) or '(none)'}; use some of {', '.join(CONFIGS)}")
+    names = cli.some_of(args.configs, CONFIGS, "--configs")
     if min(args.steps, args.rounds, args.batch_224) < 1:
         raise UserError("--steps, --rounds and --batch-224 must be positive integers")
-    out = Path(args.out)
-    results.ensure_writable_dir(out.parent)
+    (out,) = cli.writable_outputs(args.out)
     simulate_cpu_devices(1, at_least=True)
     device = jax.devices()[0]
     peak = peak_flops(args.dtype)
@@ -151,9 +131,7 @@ def main(argv=None) -> list[dict]:
         image_shape, batch = CONFIGS[name]
         batch = args.batch_224 if name == "224" else batch
         config = ModelConfig(dtype=args.dtype)
-        rng = np.random.default_rng(0)
-        images = rng.random((batch, *image_shape), dtype=np.float32)
-        labels = rng.integers(0, config.num_classes, batch).astype(np.int32)
+        images, labels = random_batch(image_shape, batch, config.num_classes)
         variants = {
             "jaxcnn-single": jaxcnn_stepper(config, "single", device, image_shape, batch, images, labels),
             "jaxcnn-dp1": jaxcnn_stepper(config, "dp", device, image_shape, batch, images, labels),
@@ -161,11 +139,7 @@ def main(argv=None) -> list[dict]:
         }
         if device.platform == "cpu":  # the same plain step with jaxcnn's XLA:CPU options: a like-for-like baseline
             variants["plain-jit-cpu-options"] = plain_jit_stepper(config, image_shape, images, labels, CPU_STEP_OPTIONS)
-        timed = {variant: [] for variant in variants}
-        per_round = -(-args.steps // args.rounds)
-        for _ in range(args.rounds):  # interleaved, so a drift in the machine's speed hits all variants alike
-            for variant, (steps, _, _) in variants.items():
-                timed[variant] += steps(per_round)
+        timed = interleaved({variant: steps for variant, (steps, _, _) in variants.items()}, args.steps, args.rounds)
         for variant, (_, compile_seconds, flops) in variants.items():
             seconds = timed[variant]
             median = statistics.median(seconds)

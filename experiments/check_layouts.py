@@ -18,8 +18,8 @@ Two comparisons per layout:
   starts from single's exact state, so its loss and gradient (read back from Adam's first
   moment, zeroed before the step; relative to the largest entry) are compared with single's on the same inputs,
   without amplification. A pool window decided the other way shows here as a gradient
-  difference of ~1e-3 in the step where it happens. Pipeline programs keep per-stage
-  states and are compared free-running only.
+  difference of ~1e-3 in the step where it happens. A program without one state to
+  start from (the pipeline's: per-stage states) is compared free-running only.
 
 `--sizes realistic` runs the fixed set in REALISTIC instead of the flags' model and data:
 the default model (32/64/128 channels) at 24x24x3 and 32x32x3 and a 5-block model (up to
@@ -31,9 +31,7 @@ micro-batch by design (tests/test_pipeline.py checks that design).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -42,15 +40,16 @@ import optax
 
 from jaxcnn import cli, results
 from jaxcnn.analysis.hlo import KINDS
-from jaxcnn.analysis.lint import lint
+from jaxcnn.analysis.lint import lint_program
+from jaxcnn.analysis.measure import stage_options
 from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
-from jaxcnn.data import Dataset, batch_indices, load_csv, parse_image_shape, synthetic_dataset
+from jaxcnn.data import Dataset, batch_indices, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
-from jaxcnn.pipeline import build_pipeline_program, stage_collectives
-from jaxcnn.sharding import LAYOUTS, Layout, build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
-from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
+from jaxcnn.sharding import Layout, ParallelDims, build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
+from jaxcnn.sharding.mesh import simulate_cpu_devices
+from jaxcnn.sharding.partition import quiet_fallbacks
 
 PROG = "check_layouts.py"
 DEFAULT = "cnn2d_3layer_fullconnected_3layer"
@@ -85,29 +84,28 @@ class Case(NamedTuple):
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     cli.add_model_flags(parser)
     cli.add_data_flags(parser)
     g = parser.add_argument_group("check")
     g.add_argument(
         "--sizes", choices=("flags", "realistic"), default="flags", help="the flags' model and data, or REALISTIC"
     )
-    g.add_argument("--layouts", default=",".join(n for n in LAYOUTS if n != "single"), help="comma-separated")
-    g.add_argument("--devices", type=int, default=cli.DEFAULT_SIMULATED_DEVICES, help="devices per layout mesh")
+    cli.add_layouts_flag(g)
+    cli.add_devices_flag(g, help="devices per layout mesh")
     g.add_argument("--steps", type=int, default=10, help="training steps compared")
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--lr", type=float, default=1e-2)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out", default="results/layout_equivalence.csv")
+    cli.add_output_flags(g, out="results/layout_equivalence.csv")
     return parser.parse_args(argv)
 
 
 def cases_from_flags(args, layouts: list[Layout]) -> list[Case]:
     model = cli.model_from_flags(args)
-    if args.synthetic:
-        dataset = synthetic_dataset(parse_image_shape(args.synthetic), args.synthetic_size, model.num_classes, 0)
-    else:
-        dataset = load_csv(args.data, channels=args.channels, num_classes=model.num_classes)
+    image_shape, dataset = cli.data_from_flags(args, model.num_classes)
+    if dataset is None:
+        dataset = synthetic_dataset(image_shape, args.synthetic_size, model.num_classes, 0)
     return [
         Case(model, dataset, args.batch_size, layout, resolve_mesh(parse_mesh(layout.default_mesh), args.devices))
         for layout in layouts
@@ -134,14 +132,12 @@ def realistic_cases(layouts: list[Layout], table=REALISTIC) -> list[Case]:
 def compile_case(case: Case, steps: int, lr: float, seed: int, layout=None, mesh_shape=None):
     """The program of `case` (or of it under another layout and mesh)."""
     layout, mesh_shape = layout or case.layout, mesh_shape or case.mesh_shape
-    build = build_pipeline_program if layout.stage_axis else build_program
     # batch norm over the whole batch, as on one device (without it: the GPipe schedule as configured)
-    extra = {"microbatches": 1} if layout.stage_axis and case.model.norm == "batch" else {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fallbacks show in the lint's count below
-        return build(
+    options = stage_options(layout, 1 if case.model.norm == "batch" else None)
+    with quiet_fallbacks():  # fallbacks show in the lint's count below
+        return build_program(
             case.model, OptimConfig(learning_rate=lr, warmup_steps=2), layout, build_mesh(mesh_shape),
-            case.dataset.image_shape, case.batch_size, steps, seed=seed, with_eval=False, **extra,
+            case.dataset.image_shape, case.batch_size, steps, seed=seed, with_eval=False, **options,
         )  # fmt: skip
 
 
@@ -195,15 +191,6 @@ def step_by_step(single, program, dataset: Dataset, steps: int, seed: int) -> tu
     return loss_diffs, grad_diffs
 
 
-def sharding_report(layout: Layout, program):
-    """The lint's report, with the collectives of one whole step."""
-    if layout.stage_axis:  # per-stage programs: their collectives over one step, all stages
-        report = lint(layout, program.mesh, program.placements)
-        report.collectives = [c for stage in stage_collectives(program) for c in stage]
-        return report
-    return lint(layout, program.mesh, program.placements, program.train_step)
-
-
 def nudged(dataset: Dataset) -> Dataset:
     """The same images, each pixel one float32 ulp larger."""
     return replace(dataset, images=np.nextafter(dataset.images, np.float32(np.inf)))
@@ -214,7 +201,7 @@ def check(cases: list[Case], steps: int, lr: float, seed: int, free_running: boo
     floor (their columns are then None), keeping only the step-by-step comparison."""
     rows, references = [], {}
     for case in cases:
-        check_layout_axes(case.layout.mesh_axes, case.mesh_shape, case.layout.name, case.layout.optional_axes)
+        ParallelDims(case.layout, case.mesh_shape)  # a mesh without the layout's axes fails here
         key = (case.model, case.dataset.image_shape, case.batch_size)
         if key not in references:
             single = compile_case(case, steps, lr, seed, get_layout("single"), {"data": 1})
@@ -232,11 +219,11 @@ def check(cases: list[Case], steps: int, lr: float, seed: int, free_running: boo
                 np.max(np.abs(free_running_losses(program, case.dataset, steps, seed) - reference) / reference)
             )
         step_loss = step_grad = kink_steps = None
-        if not case.layout.stage_axis:
+        if program.abstract_state is not None:  # one state to start from single's: compare step by step
             loss_diffs, grad_diffs = step_by_step(single, program, case.dataset, steps, seed)
             step_loss, step_grad = max(loss_diffs), max(grad_diffs)
             kink_steps = sum(d > KINK for d in grad_diffs)
-        report = sharding_report(case.layout, program)
+        report = lint_program(program)
         row = {
             "model": case.model.name,
             "image": "x".join(map(str, case.dataset.image_shape)),
@@ -256,9 +243,11 @@ def check(cases: list[Case], steps: int, lr: float, seed: int, free_running: boo
         for kind in KINDS:
             of_kind = [c for c in report.collectives if c.kind == kind]
             column = kind.replace("-", "_")
-            row[f"count_{column}"], row[f"bytes_{column}"] = len(of_kind), sum(c.buffer_bytes for c in of_kind)
+            # per step: what a program runs once per micro-batch counts once per micro-batch
+            count, moved = sum(c.repeats for c in of_kind), sum(c.step_bytes for c in of_kind)
+            row[f"count_{column}"], row[f"bytes_{column}"] = count, moved
             if of_kind:
-                seen.append(f"{kind} {len(of_kind)}x {row[f'bytes_{column}']:,} B")
+                seen.append(f"{kind} {count}x {moved:,} B")
         rows.append(row)
         stepwise = f"step {step_loss:.1e} grad {step_grad:.1e}" if step_loss is not None else "step n/a"
         freewise = f"free {free:.1e} (floor {floor:.1e})" if free_running else ""
@@ -272,10 +261,10 @@ def check(cases: list[Case], steps: int, lr: float, seed: int, free_running: boo
 
 def main(argv=None) -> list[dict]:
     args = parse_flags(argv)
-    layouts = [get_layout(name.strip()) for name in args.layouts.split(",") if name.strip()]
+    layouts = cli.layouts_from_flag(args.layouts)
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
-    out = results.ensure_writable_dir(Path(args.out).parent) / Path(args.out).name
+    (out,) = cli.writable_outputs(args.out)
     cases = realistic_cases(layouts) if args.sizes == "realistic" else cases_from_flags(args, layouts)
     devices = max(int(np.prod(list(case.mesh_shape.values()))) for case in cases)
     simulate_cpu_devices(max(devices, args.devices), at_least=True)

@@ -7,45 +7,41 @@ python experiments/compare_layouts.py --synthetic 224x224x3 --batch-size 16 --st
 python experiments/compare_layouts.py --layouts dp,hybrid --mesh data=2,model=4 --steps 0
 
 Byte columns are per device per optimizer step, in *buffer* bytes (the array a collective
-works on; see jaxcnn/sharding/inspect.py); comm_wire_bytes[_model] give ring traffic.
+works on; see jaxcnn/analysis/hlo.py); comm_wire_bytes[_model] give ring traffic.
 """
 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import jax
 
 from jaxcnn import cli, plots, results
-from jaxcnn.analysis.measure import COMPARE_COLUMNS, add_speedups, measure_layout, measure_pipeline
-from jaxcnn.data import load_csv, parse_image_shape
+from jaxcnn.analysis.measure import COMPARE_COLUMNS, add_speedups, measure_layout
 from jaxcnn.errors import UserError
-from jaxcnn.sharding import LAYOUTS, get_layout, parse_mesh, resolve_mesh
-from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
+from jaxcnn.sharding import ParallelDims, get_layout, parse_mesh, resolve_mesh, simulate_cpu_devices
 
 PROG = "compare_layouts.py"
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     cli.add_model_flags(parser)
     cli.add_data_flags(parser)
     g = parser.add_argument_group("comparison")
-    g.add_argument("--layouts", default=",".join(n for n in LAYOUTS if n != "single"), help="comma-separated")
-    g.add_argument("--devices", type=int, default=cli.DEFAULT_SIMULATED_DEVICES, help="devices for each layout")
+    cli.add_layouts_flag(g)
+    cli.add_devices_flag(g, help="devices for each layout")
     g.add_argument("--mesh", help="force this mesh on every layout (default: each layout's own for --devices)")
     g.add_argument("--batch-size", type=int, default=64, help="global batch")
     g.add_argument("--steps", type=int, default=10, help="steps to time per layout (0: compile only)")
     g.add_argument("--microbatches", type=int, help="pipeline rows: micro-batches (default 2 x stages)")
-    g.add_argument("--out", default="results/compare_layouts.csv")
-    g.add_argument("--plot", default="results/compare_layouts.png")
+    cli.add_output_flags(g, out="results/compare_layouts.csv", plot="results/compare_layouts.png")
     return parser.parse_args(argv)
 
 
 def mesh_for(layout, args) -> dict[str, int]:
     shape = resolve_mesh(parse_mesh(args.mesh or layout.default_mesh), args.devices)
-    for note in check_layout_axes(layout.mesh_axes, shape, layout.name, layout.optional_axes):
+    for note in ParallelDims(layout, shape).notes:
         warnings.warn(note, stacklevel=1)
     return shape
 
@@ -57,21 +53,12 @@ def main(argv=None) -> list[dict]:
     if args.devices < 1:
         raise UserError(f"--devices must be at least 1, got {args.devices}")
     model_config = cli.model_from_flags(args)
-    layouts = [
-        get_layout(name.strip()) for name in args.layouts.split(",") if name.strip() and name.strip() != "single"
-    ]
+    layouts = cli.layouts_from_flag(args.layouts, skip=("single",))
     meshes = [mesh_for(layout, args) for layout in layouts]  # bad meshes fail before any compile
-    out, plot = Path(args.out), Path(args.plot) if args.plot else None
-    for path in filter(None, (out, plot)):
-        results.ensure_writable_dir(path.parent)
-    data = None
-    if args.synthetic:
-        image_shape = parse_image_shape(args.synthetic)
-    else:
-        data = load_csv(args.data, channels=args.channels, num_classes=model_config.num_classes)
-        image_shape = data.image_shape
-        if len(data) < args.batch_size:
-            raise UserError(f"--batch-size {args.batch_size} exceeds the {len(data)} images in {args.data}")
+    out, plot = cli.writable_outputs(args.out, args.plot)
+    image_shape, data = cli.data_from_flags(args, model_config.num_classes)
+    if data is not None and len(data) < args.batch_size:
+        raise UserError(f"--batch-size {args.batch_size} exceeds the {len(data)} images in {args.data}")
     simulate_cpu_devices(args.devices, at_least=True)
     if len(jax.devices()) < args.devices:
         raise UserError(f"--devices {args.devices}, but only {len(jax.devices())} devices exist")
@@ -83,16 +70,10 @@ def main(argv=None) -> list[dict]:
         print(
             f"[{i}/{len(plan)}] {layout.name} on {','.join(f'{k}={v}' for k, v in mesh_shape.items())} ...", flush=True
         )
-        if layout.stage_axis:
-            row = measure_pipeline(
-                model_config, layout, mesh_shape, image_shape, args.batch_size, steps=args.steps,
-                microbatches=args.microbatches, data=data,
-            )  # fmt: skip
-        else:
-            row = measure_layout(
-                model_config, layout, mesh_shape, image_shape, args.batch_size, steps=args.steps, data=data
-            )
-        rows.append(row)
+        rows.append(measure_layout(
+            model_config, layout, mesh_shape, image_shape, args.batch_size, steps=args.steps, data=data,
+            microbatches=args.microbatches,
+        ))  # fmt: skip
     add_speedups(rows, rows[0])
     for row in rows:
         row["comm_ratio"] = row["comm_bytes"] / row["comm_bytes_model"] if row["comm_bytes_model"] else None

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
-from pathlib import Path
 
 import jax
 
@@ -27,11 +25,10 @@ from jaxcnn import cli, results
 from jaxcnn.analysis.measure import time_steps
 from jaxcnn.build import build_program
 from jaxcnn.config import OptimConfig, TrainConfig
-from jaxcnn.data import parse_image_shape, synthetic_dataset
+from jaxcnn.data import Loader, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
-from jaxcnn.sharding import build_mesh, get_layout, parse_mesh, resolve_mesh
-from jaxcnn.sharding.mesh import simulate_cpu_devices
+from jaxcnn.sharding import build_mesh, get_layout, parse_mesh, quiet_fallbacks, resolve_mesh, simulate_cpu_devices
 
 PROG = "input_wait.py"
 COLUMNS = [
@@ -41,7 +38,7 @@ COLUMNS = [
 
 
 class DelayedLoader:
-    """The loader's per-batch work, made to take `seconds` (through fit's augmentation hook)."""
+    """The loader's per-batch work, made to take `seconds` (in the Loader's augmentation hook)."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -52,17 +49,16 @@ class DelayedLoader:
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     cli.add_model_flags(parser)
     g = parser.add_argument_group("input wait")
     g.add_argument("--delays-ms", type=cli.int_list, default=(30, 100), help="loader delays per batch (ms)")
     g.add_argument("--synthetic", default="28x28x1", help="image shape HxWxC (default %(default)s)")
     g.add_argument("--batch-size", type=int, default=128, help="global batch (default %(default)s)")
     g.add_argument("--steps", type=int, default=40, help="training steps per delay (default %(default)s)")
-    g.add_argument("--layout", default="single")
-    g.add_argument("--mesh", help="default: the layout's, over every device")
+    cli.add_layout_flags(g, mesh_help="default: the layout's, over every device")
     g.add_argument("--host-devices", type=int, help="simulated CPU devices")
-    g.add_argument("--out", help="write the rows to this CSV (default: print only)")
+    cli.add_output_flags(g, out_help="write the rows to this CSV (default: print only)")
     return parser.parse_args(argv)
 
 
@@ -70,8 +66,7 @@ def main(argv=None) -> list[dict]:
     args = parse_flags(argv)
     if args.steps < 2 or args.batch_size < 1 or min(args.delays_ms, default=-1) < 0:
         raise UserError("--steps must be >= 2, --batch-size >= 1 and --delays-ms non-negative")
-    if args.out:
-        results.ensure_writable_dir(Path(args.out).parent)
+    cli.writable_outputs(args.out)
     layout = get_layout(args.layout)
     mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
     if args.host_devices:
@@ -80,8 +75,7 @@ def main(argv=None) -> list[dict]:
     model_config = cli.model_from_flags(args)
     shape = parse_image_shape(args.synthetic)
     data = synthetic_dataset(shape, args.batch_size * args.steps, model_config.num_classes, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_fallbacks():
         program = build_program(
             model_config, OptimConfig(), layout, mesh, shape, args.batch_size, args.steps, with_eval=False
         )
@@ -95,10 +89,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     for delay_ms in args.delays_ms:
         delay, before = delay_ms / 1e3, step_seconds()
-        outcome = fit(
-            program, program.init(), data, None, config, progress=False, augment=DelayedLoader(delay),
-            input_workers=1, prefetch_depth=2,
-        )  # fmt: skip
+        loader = Loader(data, augment=DelayedLoader(delay), workers=1, depth=2)
+        outcome = fit(program, program.init(), loader, None, config, progress=False)
         step = (before + step_seconds()) / 2  # measured around the run: other work on the machine moves it
         rows.append({
             "delay_ms": delay_ms, "step_ms": step * 1e3, "expected_wait_fraction": max(delay - step, 0) / max(delay, step),

@@ -8,31 +8,27 @@ python experiments/plan.py --devices 8 --budget 4MiB                # bundled di
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from jaxcnn import cli, results
 from jaxcnn.analysis.hardware import PROFILES, get_profile, parse_bytes
 from jaxcnn.analysis.planner import FSDP_TP, explain, plan
-from jaxcnn.data import load_csv, parse_image_shape
 from jaxcnn.errors import UserError
-from jaxcnn.sharding import get_layout
-from jaxcnn.sharding.mesh import simulate_cpu_devices
+from jaxcnn.sharding import format_mesh, simulate_cpu_devices
 
 PROG = "plan.py"
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     cli.add_model_flags(parser)
     cli.add_data_flags(parser)
     g = parser.add_argument_group("plan")
-    g.add_argument("--devices", type=int, default=8)
+    cli.add_devices_flag(g)
     g.add_argument("--budget", default="16GiB", help="memory per device, e.g. 16GiB, 80GB, 512MiB")
     g.add_argument("--hardware", default="h100", help=f"one of {', '.join(PROFILES)} (default %(default)s)")
     g.add_argument("--batch-size", type=int, default=64, help="global batch")
-    g.add_argument("--layouts", help="only these layouts, comma-separated (default: all)")
+    cli.add_layouts_flag(g, default="", help="only these layouts, comma-separated (default: all, pipeline included)")
     g.add_argument("--top", type=int, default=3)
-    g.add_argument("--out", default=None, help="CSV of every candidate (optional)")
+    cli.add_output_flags(g, out_help="CSV of every candidate (optional)")
     return parser.parse_args(argv)
 
 
@@ -42,22 +38,15 @@ def main(argv=None):
         raise UserError(f"--devices must be at least 1, got {args.devices}")
     budget, profile = parse_bytes(args.budget), get_profile(args.hardware)
     model_config = cli.model_from_flags(args)
-    out = Path(args.out) if args.out else None
-    if out:
-        results.ensure_writable_dir(out.parent)
-    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()] if args.layouts else None
-    for name in layouts or ():
-        if name != FSDP_TP.name:
-            get_layout(name)  # an unknown name fails here, naming the known ones
-    if args.synthetic:
-        image_shape = parse_image_shape(args.synthetic)
-    else:
-        image_shape = load_csv(args.data, channels=args.channels).image_shape
+    (out,) = cli.writable_outputs(args.out)
+    cli.layouts_from_flag(args.layouts, skip=(FSDP_TP.name,))  # an unknown name fails here, naming the known ones
+    layouts = list(cli.name_list(args.layouts)) or None
+    image_shape, _ = cli.data_from_flags(args, model_config.num_classes)
     simulate_cpu_devices(args.devices, at_least=True)  # compile for N devices; nothing runs on them
 
     def progress(i, total, layout, mesh_shape):
         print(
-            f"[{i + 1}/{total}] compiling {layout.name} on {','.join(f'{k}={v}' for k, v in mesh_shape.items())}",
+            f"[{i + 1}/{total}] compiling {layout.name} on {format_mesh(mesh_shape)}",
             flush=True,
         )
 

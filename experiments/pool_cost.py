@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +29,15 @@ import numpy as np
 from flax import nnx
 
 from jaxcnn import cli, results
+from jaxcnn.analysis.measure import SIZES as TIMING_SIZES
 from jaxcnn.compiling import compile_with, cpu_step_options
 from jaxcnn.config import ModelConfig
-from jaxcnn.errors import UserError
 from jaxcnn.layers import _pool_with_choice, max_pool_2x2
 from jaxcnn.models import layer_shapes
 from jaxcnn.sharding import build_mesh
 
 PROG = "pool_cost.py"
-SIZES = {"28x28x1": ((28, 28, 1), 128), "224x224x3": ((224, 224, 3), 8)}
+SIZES = {"x".join(map(str, TIMING_SIZES[size][0])): TIMING_SIZES[size] for size in ("28", "224")}
 
 
 def reshape_max_pool(x_BHWC: jax.Array) -> jax.Array:
@@ -138,18 +137,14 @@ def measure(size: str, rounds: int, calls: int) -> list[dict]:
 
 
 def main(argv=None) -> list[dict]:
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated, of " + ", ".join(SIZES))
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default %(default)s)")
     parser.add_argument("--calls", type=int, default=5, help="timed calls per variant per round (default %(default)s)")
-    parser.add_argument("--out", help="CSV to write (default: print only)")
+    cli.add_output_flags(parser, out_help="CSV to write (default: print only)")
     args = parser.parse_args(argv)
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        raise UserError(f"unknown --sizes {', '.join(unknown)}; use some of {', '.join(SIZES)}")
-    if args.out:
-        results.ensure_writable_dir(Path(args.out).parent)
+    sizes = cli.some_of(args.sizes, SIZES, "--sizes")
+    cli.writable_outputs(args.out)
     rows = []
     for size in sizes:
         print(f"{size}: compiling and timing {len(POOLS)} pools ...", flush=True)

@@ -13,26 +13,21 @@ trace itself goes to --trace-dir, for TensorBoard's or Perfetto's trace viewer.
 from __future__ import annotations
 
 import tempfile
-import warnings
 from pathlib import Path
 
-import numpy as np
-
 from jaxcnn import cli, results
+from jaxcnn.analysis.measure import SIZES, random_batch, timing_program
 from jaxcnn.analysis.profiling import profile_step
-from jaxcnn.build import build_program
-from jaxcnn.config import DTYPES, ModelConfig, OptimConfig
+from jaxcnn.config import DTYPES, ModelConfig
 from jaxcnn.errors import UserError
-from jaxcnn.sharding import build_mesh, get_layout
-from jaxcnn.sharding.mesh import simulate_cpu_devices
+from jaxcnn.sharding import simulate_cpu_devices
 
 PROG = "profile_step.py"
-SIZES = {"8": ((8, 8, 1), 64), "28": ((28, 28, 1), 128), "224": ((224, 224, 3), 8)}
 COLUMNS = ["op", "thread_ms_per_step", "share_of_traced", "kind", "shape", "source"]
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     parser.add_argument("--size", default="28", help=f"one of {', '.join(SIZES)} (image side; batch 64/128/8)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--steps", type=int, default=5, help="steps traced (default %(default)s)")
@@ -52,15 +47,8 @@ def main(argv=None) -> tuple[list[dict], dict]:
     simulate_cpu_devices(1, at_least=True)
     image_shape, batch = SIZES[args.size]
     config = ModelConfig(dtype=args.dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = build_program(
-            config, OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=0),
-            get_layout("single"), build_mesh({"data": 1}), image_shape, batch, 1000, with_eval=False,
-        )  # fmt: skip
-    rng = np.random.default_rng(0)
-    images = rng.random((batch, *image_shape), dtype=np.float32)
-    labels = rng.integers(0, config.num_classes, batch).astype(np.int32)
+    program = timing_program(config, image_shape, batch)
+    images, labels = random_batch(image_shape, batch, config.num_classes)
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxcnn-trace-"))
     rows, summary = profile_step(program, program.init(), images, labels, args.steps, trace_dir)
     summary.update(size=args.size, batch=batch, dtype=args.dtype, steps=args.steps)

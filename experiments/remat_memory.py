@@ -12,7 +12,6 @@ kept for the backward pass + scratch, from `memory_analysis`), peak bytes, FLOPs
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from jaxcnn import cli, plots, results
 from jaxcnn.analysis.measure import measure_layout
@@ -29,17 +28,15 @@ COLUMNS = [
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     cli.add_model_flags(parser)
     g = parser.add_argument_group("experiment")
     g.add_argument("--synthetic", default="224x224x3", metavar="HxWxC", help="image shape (default %(default)s)")
-    g.add_argument("--layout", default="single")
-    g.add_argument("--mesh", help="default: the layout's")
+    cli.add_layout_flags(g)
     g.add_argument("--batch-size", type=int, default=16, help="global batch (default %(default)s)")
     g.add_argument("--policies", default=",".join(REMAT_POLICIES), help="comma-separated --remat policies")
     g.add_argument("--steps", type=int, default=3, help="steps to time per policy (0: compile only)")
-    g.add_argument("--out", default="results/remat_memory.csv")
-    g.add_argument("--plot", default="results/remat_memory.png")
+    cli.add_output_flags(g, out="results/remat_memory.csv", plot="results/remat_memory.png")
     return parser.parse_args(argv)
 
 
@@ -51,8 +48,8 @@ def main(argv=None) -> list[dict]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     configs = [dataclasses.replace(base, remat=p) for p in policies]  # bad names fail here, before compiling
     image_shape = parse_image_shape(args.synthetic)
-    out, plot = Path(args.out), Path(args.plot)
-    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh, [out, plot])
+    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh)
+    out, plot = cli.writable_outputs(args.out, args.plot)
 
     rows = []
     for i, config in enumerate(configs, 1):

@@ -7,7 +7,7 @@ python experiments/scaling.py --synthetic 64x64x3 --batch-size 32 --weak   # bat
 
 Timing uses the real input pipeline (host batches prefetched and placed with their
 sharding), so `input_wait_fraction` is measured. The communication share is *modelled*
-(alpha-beta model on the compiled collectives, jaxcnn.sharding.planner): on simulated CPU
+(alpha-beta model on the compiled collectives, jaxcnn.analysis.planner): on simulated CPU
 devices collectives are memory copies between threads on the same cores and cannot be
 timed apart from compute.
 """
@@ -15,40 +15,37 @@ timed apart from compute.
 from __future__ import annotations
 
 import os
-import warnings
-from pathlib import Path
 
 import jax
 
 from jaxcnn import cli, plots, results
-from jaxcnn.analysis.cost import step_cost
+from jaxcnn.analysis.cost import program_cost
 from jaxcnn.analysis.hardware import get_profile
 from jaxcnn.analysis.planner import comm_seconds
 from jaxcnn.analysis.verdicts import step_verdicts, verdict
 from jaxcnn.build import build_program
 from jaxcnn.config import OptimConfig, TrainConfig
-from jaxcnn.data import load_csv, parse_image_shape, synthetic_dataset
+from jaxcnn.data import synthetic_dataset
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
-from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, resolve_mesh
+from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, quiet_fallbacks, resolve_mesh
 from jaxcnn.sharding.mesh import simulate_cpu_devices
 
 PROG = "scaling.py"
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     cli.add_model_flags(parser)
     cli.add_data_flags(parser)
     g = parser.add_argument_group("scaling")
     g.add_argument("--layout", default="dp")
-    g.add_argument("--devices", type=cli.int_list, default=(1, 2, 4, 8), help="device counts, e.g. 1,2,4,8")
+    cli.add_devices_flag(g, default=(1, 2, 4, 8), help="device counts, e.g. 1,2,4,8", type=cli.int_list)
     g.add_argument("--batch-size", type=int, default=64, help="global batch (per device with --weak)")
     g.add_argument("--weak", action="store_true", help="weak scaling: the global batch grows with the devices")
     g.add_argument("--steps", type=int, default=30, help="timed steps per size (the first is not counted)")
     g.add_argument("--hardware", help="profile for the modelled communication share (default: by platform)")
-    g.add_argument("--out", default="results/scaling.csv")
-    g.add_argument("--plot", default="results/scaling.png")
+    cli.add_output_flags(g, out="results/scaling.csv", plot="results/scaling.png")
     return parser.parse_args(argv)
 
 
@@ -70,9 +67,7 @@ def main(argv=None) -> list[dict]:
         raise UserError(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
     counts = sorted(set(args.devices))
     meshes = {n: resolve_mesh(parse_mesh(layout.default_mesh), n) for n in counts}
-    out, plot = Path(args.out), Path(args.plot)
-    for path in (out, plot):
-        results.ensure_writable_dir(path.parent)
+    out, plot = cli.writable_outputs(args.out, args.plot)
     model_config = cli.model_from_flags(args)
     simulate_cpu_devices(max(counts), at_least=True)
     devices = jax.devices()
@@ -85,22 +80,19 @@ def main(argv=None) -> list[dict]:
         return args.batch_size * n if args.weak else args.batch_size
 
     largest_batch = batch_for(max(counts))
-    if args.synthetic:
-        shape = parse_image_shape(args.synthetic)
+    shape, data = cli.data_from_flags(args, model_config.num_classes)
+    if data is None:
         data = synthetic_dataset(shape, largest_batch * args.steps, model_config.num_classes, 0)
-    else:
-        data = load_csv(args.data, channels=args.channels, num_classes=model_config.num_classes)
 
     def run(run_layout, mesh_shape, batch):
         mesh = build_mesh(mesh_shape, devices)
         config = TrainConfig(batch_size=batch, epochs=10**6, max_steps=args.steps)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet_fallbacks():
             program = build_program(
                 model_config, OptimConfig(), run_layout, mesh, data.image_shape, batch, args.steps, with_eval=False
             )
         outcome = fit(program, program.init(), data, None, config, progress=False)
-        cost = step_cost(program.train_step, program.abstract_state, mesh.size)
+        cost = program_cost(program)
         comm = comm_seconds(cost, profile, mesh.size)
         step_seconds = batch / outcome.images_per_second
         return {
@@ -112,8 +104,8 @@ def main(argv=None) -> list[dict]:
             "step_seconds": step_seconds,
             "images_per_second": outcome.images_per_second,
             "input_wait_fraction": outcome.input_wait_fraction,
-            "comm_bytes": cost.comm_bytes(),
-            "comm_wire_bytes": cost.wire_bytes(),
+            "comm_bytes": cost.comm_bytes,
+            "comm_wire_bytes": cost.wire_bytes,
             "comm_fraction_model": min(1.0, comm / step_seconds),
             "simulated_devices": simulated,
         }

@@ -18,13 +18,16 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 from jaxcnn import cli, results
+from jaxcnn.analysis.measure import SIZES as ALL_SIZES
+from jaxcnn.analysis.measure import random_batch, time_steps, timing_program
+from jaxcnn.compiling import CPU_STEP_OPTIONS, YNN_FUSION_TYPES
+from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
 
 PROG = "speedups.py"
-SIZES = {"28": ((28, 28, 1), 128), "224": ((224, 224, 3), 8)}
+SIZES = {size: ALL_SIZES[size] for size in ("28", "224")}
 ONEDNN = {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_custom_call": True}
 YNN_ELTWISE = ",LIBRARY_FUSION_TYPE_ELTWISE"
 # name -> (adopted, keep freed host memory, Eigen convolutions, extra)
@@ -40,48 +43,29 @@ COLUMNS = ["size", "variant", "adopted", "median_step_seconds", "images_per_seco
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     parser.add_argument("--sizes", default="28,224", help=f"some of {', '.join(SIZES)}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", default="15,5", help="warm steps per process, per size (default %(default)s)")
-    parser.add_argument("--out", default="results/speedups.csv")
+    cli.add_output_flags(parser, out="results/speedups.csv")
     parser.add_argument("--child", default=None, help=cli.argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def child(variant: str, size: str, steps: int) -> None:
     """Time one variant in this fresh process; print its step seconds as JSON."""
-    import warnings
-
-    import jaxcnn.train
-    import numpy as np
-
-    from jaxcnn.analysis.measure import time_steps
-    from jaxcnn.compiling import CPU_STEP_OPTIONS, YNN_FUSION_TYPES
-    from jaxcnn.config import ModelConfig, OptimConfig
-    from jaxcnn.sharding import build_mesh, get_layout
-
     _, _, eigen, extra = VARIANTS[variant]
-    options = None
+    options = {}  # XLA's defaults
     if eigen:
         options = dict(CPU_STEP_OPTIONS)
         if extra == "onednn":
             options.update(ONEDNN)
         if extra == "eltwise":
             options[YNN_FUSION_TYPES] += YNN_ELTWISE
-    jaxcnn.train.cpu_step_options = lambda mesh: options  # the switch under test, for this process only
     image_shape, batch = SIZES[size]
     config = ModelConfig(dtype="bfloat16" if extra == "bfloat16" else "float32")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = jaxcnn.train.build_program(
-            config, OptimConfig(learning_rate=1e-3, schedule="constant", warmup_steps=0),
-            get_layout("single"), build_mesh({"data": 1}), image_shape, batch, 1000, with_eval=False,
-        )  # fmt: skip
-    rng = np.random.default_rng(0)
-    images = rng.random((batch, *image_shape), dtype=np.float32)
-    labels = rng.integers(0, 10, batch).astype(np.int32)
-    seconds, _ = time_steps(program, program.init(), images, labels, steps)
+    program = timing_program(config, image_shape, batch, compiler_options=options)  # the switch under test
+    seconds, _ = time_steps(program, program.init(), *random_batch(image_shape, batch), steps)
     print(json.dumps(seconds))
 
 
@@ -90,14 +74,11 @@ def main(argv=None) -> list[dict]:
     if args.child:
         variant, size, steps = args.child.split("|")
         return child(variant, size, int(steps))
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    sizes = cli.some_of(args.sizes, SIZES, "--sizes")
     steps = cli.int_list(args.steps)
-    if not sizes or any(s not in SIZES for s in sizes):
-        raise UserError(f"--sizes must be some of {', '.join(SIZES)}")
     if len(steps) != 2 or min(steps) < 1 or args.rounds < 1:
         raise UserError("--steps takes two positive counts (28, 224) and --rounds a positive integer")
-    out = Path(args.out)
-    results.ensure_writable_dir(out.parent)
+    (out,) = cli.writable_outputs(args.out)
     rows = []
     for size in sizes:
         n = steps[0] if size == "28" else steps[1]

@@ -13,8 +13,6 @@ Writes the summary CSV, the per-step loss curves (<out>_curves.csv) and a PNG.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from jaxcnn import cli, plots, results
 from jaxcnn.analysis.hlo import collectives
 from jaxcnn.build import build_program
@@ -38,13 +36,11 @@ COLUMNS = [
 
 
 def parse_flags(argv=None):
-    parser = cli.FlagParser(prog=PROG, description=__doc__, formatter_class=cli.argparse.RawDescriptionHelpFormatter)
+    parser = cli.experiment_parser(PROG, __doc__)
     cli.add_model_flags(parser)
     g = parser.add_argument_group("experiment")
-    g.add_argument("--data", default="data/train.csv")
-    g.add_argument("--test-data", default="data/test.csv", help="a labelled CSV to measure accuracy on")
-    g.add_argument("--layout", default="dp")
-    g.add_argument("--mesh", default="data=8")
+    cli.add_dataset_flags(g, test_help="a labelled CSV to measure accuracy on")
+    cli.add_layout_flags(g, layout="dp", mesh="data=8", mesh_help=None)
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--epochs", type=int, default=10)
     g.add_argument("--optimizer", default="sgd")
@@ -53,8 +49,7 @@ def parse_flags(argv=None):
         "--momentum", type=float, default=0.0, help="sgd momentum; a delay acts like more of it (default %(default)s)"
     )
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out", default="results/sync_vs_async.csv")
-    g.add_argument("--plot", default="results/sync_vs_async.png")
+    cli.add_output_flags(g, out="results/sync_vs_async.csv", plot="results/sync_vs_async.png")
     return parser.parse_args(argv)
 
 
@@ -65,9 +60,9 @@ def main(argv=None) -> list[dict]:
     train_config = TrainConfig(batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
     train_set = load_csv(args.data, num_classes=model_config.num_classes)
     test_set = load_csv(args.test_data, num_classes=model_config.num_classes, need_labels=False)
-    out, plot = Path(args.out), Path(args.plot)
+    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh)
+    out, plot = cli.writable_outputs(args.out, args.plot)
     curves_path = out.with_name(out.stem + "_curves.csv")
-    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh, [out, plot])
     mesh = build_mesh(mesh_shape)
     steps = total_steps(len(train_set), train_config)
 

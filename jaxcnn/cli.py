@@ -192,22 +192,91 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def experiment_mesh(layout_name: str, mesh_text: str | None, outputs: list) -> tuple:
+def experiment_parser(prog: str, doc: str | None) -> FlagParser:
+    """An experiment script's parser: its docstring, as written, as the description."""
+    return FlagParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_output_flags(group, out: str | None = None, plot: str | None = None, out_help: str | None = None) -> None:
+    """--out (the CSV; None: print only) and, where the script draws one, --plot (the PNG)."""
+    group.add_argument("--out", default=out, help=out_help)
+    if plot is not None:
+        group.add_argument("--plot", default=plot)
+
+
+def add_dataset_flags(group, test_help: str | None = None) -> None:
+    """--data and --test-data, for scripts that train on the CSVs and nothing else."""
+    group.add_argument("--data", default="data/train.csv")
+    group.add_argument("--test-data", default="data/test.csv", help=test_help)
+
+
+def add_layout_flags(group, layout: str = "single", mesh: str | None = None, mesh_help="default: the layout's") -> None:
+    """--layout and --mesh: one layout on one mesh."""
+    group.add_argument("--layout", default=layout)
+    group.add_argument("--mesh", default=mesh, help=mesh_help)
+
+
+def add_layouts_flag(group, default: str | None = None, help: str = "comma-separated") -> None:
+    """--layouts, a comma-separated list (default None: every named layout but `single`)."""
+    from jaxcnn.sharding import LAYOUTS
+
+    every = ",".join(n for n in LAYOUTS if n != "single")
+    group.add_argument("--layouts", default=every if default is None else default, help=help)
+
+
+def add_devices_flag(group, default=DEFAULT_SIMULATED_DEVICES, help: str | None = None, type=int) -> None:
+    group.add_argument("--devices", type=type, default=default, help=help)
+
+
+def layouts_from_flag(text: str, skip: tuple[str, ...] = ()) -> list:
+    """The layouts a --layouts list names (an unknown name fails, naming the known ones)."""
+    from jaxcnn.sharding import get_layout
+
+    return [get_layout(name) for name in name_list(text) if name not in skip]
+
+
+def some_of(text: str, known, flag: str) -> list[str]:
+    """The names of a comma-separated list, each one of `known` (else a UserError)."""
+    names = list(name_list(text))
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise UserError(f"unknown {flag} {', '.join(unknown) or '(none)'}; use some of {', '.join(known)}")
+    return names
+
+
+def writable_outputs(*paths) -> list[Path | None]:
+    """The output paths as Paths (None stays None), each directory made and proven writable
+    up front: a bad --out fails before any compile."""
+    from jaxcnn.results import ensure_writable_dir
+
+    paths = [Path(path) if path else None for path in paths]
+    for path in filter(None, paths):
+        ensure_writable_dir(path.parent)
+    return paths
+
+
+def data_from_flags(args, num_classes: int):
+    """(image shape, the --data CSV as a Dataset); with --synthetic, (its shape, None)."""
+    from jaxcnn.data import load_csv, parse_image_shape
+
+    if args.synthetic:
+        return parse_image_shape(args.synthetic), None
+    data = load_csv(args.data, channels=args.channels, num_classes=num_classes)
+    return data.image_shape, data
+
+
+def experiment_mesh(layout_name: str, mesh_text: str | None) -> tuple:
     """The set-up the experiment scripts share: the layout, its mesh (checked against it;
-    default: the layout's), writable directories for `outputs`, the devices simulated on
-    a CPU machine, the mesh's -1 resolved. Bad input fails here, before any compile."""
+    default: the layout's), the devices simulated on a CPU machine, the mesh's -1
+    resolved. Bad input fails here, before any compile."""
     import jax
 
-    from jaxcnn.results import ensure_writable_dir
-    from jaxcnn.sharding import get_layout, parse_mesh, resolve_mesh
-    from jaxcnn.sharding.mesh import check_layout_axes, simulate_cpu_devices
+    from jaxcnn.sharding import ParallelDims, get_layout, parse_mesh, resolve_mesh, simulate_cpu_devices
 
     layout = get_layout(layout_name)
     mesh_shape = parse_mesh(mesh_text or layout.default_mesh)
-    for note in check_layout_axes(layout.mesh_axes, mesh_shape, layout.name, layout.optional_axes):
+    for note in ParallelDims(layout, mesh_shape).notes:
         warnings.warn(note, stacklevel=2)
-    for path in outputs:
-        ensure_writable_dir(Path(path).parent)
     simulate_cpu_devices(max(abs(v) for v in mesh_shape.values()), at_least=True)
     return layout, resolve_mesh(mesh_shape, len(jax.devices()))
 

@@ -1,4 +1,4 @@
-"""experiments/bench.py and compare_backends.py: figures from real compiled steps."""
+"""experiments/bench.py and the torch twin of compare_backends.py: figures from real compiled steps."""
 
 import numpy as np
 import pandas as pd
@@ -22,19 +22,19 @@ def test_torch_twin_computes_what_jaxcnn_computes():
     torch = pytest.importorskip("torch")
     import jax.numpy as jnp
 
+    from jaxcnn.analysis import torch_twin
     from jaxcnn.config import ModelConfig
     from jaxcnn.models import build_model
 
-    module = load_script("compare_backends")
     config = ModelConfig()
     images = np.random.default_rng(0).random((4, 28, 28, 1), dtype=np.float32)
     jax_model = build_model(config, (28, 28, 1), 0)
-    twin = module.torch_model(jax_model, config).train()
+    twin = torch_twin.torch_model(jax_model, config).train()
     with torch.no_grad():
         theirs = twin(torch.from_numpy(images)).numpy()
     ours = np.asarray(jax_model(jnp.asarray(images), train=True))
     np.testing.assert_allclose(theirs, ours, atol=1e-5)
-    agreement = module.check_agreement(jax_model, twin, images, np.arange(4, dtype=np.int32))
+    agreement = torch_twin.check_agreement(jax_model, twin, images, np.arange(4, dtype=np.int32))
     assert agreement["jaxcnn"] < 1e-5 and agreement["torch"] < 1e-5  # both near the float64 answer
     assert agreement["loss_diff"] < 1e-5
 
@@ -42,15 +42,15 @@ def test_torch_twin_computes_what_jaxcnn_computes():
 def test_backend_comparison_refuses_models_that_disagree():
     torch = pytest.importorskip("torch")
 
+    from jaxcnn.analysis import torch_twin
     from jaxcnn.config import ModelConfig
     from jaxcnn.errors import UserError
     from jaxcnn.models import build_model
 
-    module = load_script("compare_backends")
     jax_model = build_model(ModelConfig(), (28, 28, 1), 0)
-    twin = module.torch_model(jax_model, ModelConfig())
+    twin = torch_twin.torch_model(jax_model, ModelConfig())
     with torch.no_grad():
         twin.dense[-1].bias[0] += 1.0  # one class favoured (a uniform shift would leave the loss alone)
     images = np.random.default_rng(0).random((4, 28, 28, 1), dtype=np.float32)
     with pytest.raises(UserError, match="disagree on the loss"):
-        module.check_agreement(jax_model, twin, images, np.arange(4, dtype=np.int32))
+        torch_twin.check_agreement(jax_model, twin, images, np.arange(4, dtype=np.int32))

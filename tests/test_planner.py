@@ -1,6 +1,7 @@
 """The planner keeps what fits and ranks it; the scaling verdict says plainly when to stop."""
 
 import pytest
+from conftest import TINY_PLAIN
 
 from jaxcnn.analysis.hardware import get_profile, parse_bytes
 from jaxcnn.analysis.planner import candidates_for, explain, plan, rank
@@ -46,6 +47,20 @@ def test_candidates_cover_every_factorisation():
     assert ("hybrid", (("data", 2), ("model", 4))) in names and ("hybrid", (("data", 4), ("model", 2))) in names
     assert ("spatial", (("data", 1), ("spatial", 8))) in names and ("dp", (("data", 8),)) in names
     assert [lay.name for lay, _ in candidates_for(1)] == ["single"]
+
+
+def test_pipeline_candidates_are_compiled_and_ranked():
+    """On 4 devices the planner compiles the pipeline on each stage count the model's layers
+    allow and costs it like any layout: a modelled step time and a peak, ranked and explained."""
+    found = plan(TINY_PLAIN, (8, 8, 1), 32, 4, budget_bytes=1e12, profile=get_profile("h100"), layouts=["pipeline"])
+    assert {c.mesh for c in found} == {"data=2,stage=2", "data=1,stage=4"}
+    for c in found:
+        assert c.error is None and c.layout.name == "pipeline"
+        assert c.peak_bytes > 0 and c.param_bytes > 0 and c.flops > 0
+        assert c.compute_seconds > 0 and c.step_seconds >= c.compute_seconds
+        assert c.wire_bytes > 0  # the activations and gradients sent between stages
+    assert [c.step_seconds for c in found] == sorted(c.step_seconds for c in found)
+    assert "1. pipeline" in explain(found, 1e12)
 
 
 def test_budget_parsing():

@@ -60,6 +60,12 @@ def timing_program(
         )  # fmt: skip
 
 
+def stage_options(layout: Layout, microbatches: int | None) -> dict:
+    """build_program's `microbatches=` where `layout` has stages to split the batch over;
+    nothing for the others (they have no micro-batches to set)."""
+    return {"microbatches": microbatches} if layout.stage_axis and microbatches else {}
+
+
 def time_steps(program: Program, state, images: np.ndarray, labels: np.ndarray, steps: int):
     """Run `steps` train steps on one fixed batch; (seconds of each, final state). The
     first (warm-up) run is not counted. Each step is waited for, so these are step times."""
@@ -73,6 +79,32 @@ def time_steps(program: Program, state, images: np.ndarray, labels: np.ndarray, 
         jax.block_until_ready(metrics)
         seconds.append(time.perf_counter() - start)
     return seconds, state
+
+
+def warm_stepper(program: Program, images: np.ndarray, labels: np.ndarray):
+    """`steps(n)` -> seconds of n more warm steps of `program` on one fixed batch, the state
+    carried from call to call (time_steps, from a fresh `program.init()`)."""
+    state = [program.init()]
+
+    def steps(n: int) -> list[float]:
+        seconds, state[0] = time_steps(program, state[0], images, labels, n)
+        return seconds
+
+    return steps
+
+
+def interleaved(steppers: dict, steps: int, rounds: int, after_round=None) -> dict[object, list[float]]:
+    """{key: seconds of each timed step}: `steps` per stepper (rounded up to whole rounds),
+    in `rounds` rounds that take turns between the steppers, so a drift in the machine's
+    speed hits each alike. `after_round(i)` runs after round i (0-based)."""
+    timed = {key: [] for key in steppers}
+    per_round = -(-steps // rounds)
+    for i in range(rounds):
+        for key, stepper in steppers.items():
+            timed[key] += stepper(per_round)
+        if after_round:
+            after_round(i)
+    return timed
 
 
 def measure_layout(
@@ -89,12 +121,13 @@ def measure_layout(
     microbatches: int | None = None,
 ) -> dict:
     """One compare row. `steps` > 0 also times that many steps on `data`'s first batch
-    (random images when None)."""
+    (random images when None). `microbatches` applies to a layout with stages (the others
+    have none to set)."""
     mesh = build_mesh(mesh_shape, devices)
     with quiet_fallbacks():  # fallbacks are the lint's business, not the comparison's
         program = build_program(
             model_config, optim or OptimConfig(), layout, mesh, image_shape, batch_size, 1000,
-            with_eval=False, with_init=steps > 0, microbatches=microbatches,
+            with_eval=False, with_init=steps > 0, **stage_options(layout, microbatches),
         )  # fmt: skip
     cost = program_cost(program)
     model = modelled_comm(program, model_config, image_shape)

@@ -1,0 +1,205 @@
+"""The jaxcnn CNN's twin in PyTorch, for comparing backends (experiments/compare_backends.py).
+
+    twin = torch_model(jax_model, config)            # the same weights, NCHW inside
+    check_agreement(jax_model, twin, images, labels) # the same logits and loss, or UserError
+    workers = TorchWorkers(image_shape, images, labels, world=2)   # DDP over 2 processes
+    seconds = workers(10)                            # 10 warm steps, rank 0's seconds
+
+PyTorch is optional: it is imported inside the functions that need it, so importing this
+module works without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+import warnings
+
+import jax
+import numpy as np
+
+from jaxcnn import host_memory
+from jaxcnn.config import ModelConfig
+from jaxcnn.errors import UserError
+from jaxcnn.models import build_model, cross_entropy
+
+
+def torch_model(jax_model, config: ModelConfig):
+    """The jaxcnn CNN in torch, holding the jax model's weights (NCHW inside, NHWC in)."""
+    import torch
+    from torch import nn
+
+    class TorchCNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            blocks = []
+            for block in jax_model.blocks:
+                kernel = np.asarray(block.conv.kernel.get_value())  # (kh, kw, cin, cout)
+                conv = nn.Conv2d(kernel.shape[2], kernel.shape[3], 3, padding=1, bias=False)
+                conv.weight.data.copy_(torch.from_numpy(kernel.transpose(3, 2, 0, 1).copy()))
+                norm = nn.BatchNorm2d(kernel.shape[3], eps=block.norm.epsilon, momentum=1 - block.norm.momentum)
+                norm.weight.data.copy_(torch.from_numpy(np.asarray(block.norm.scale.get_value()).copy()))
+                norm.bias.data.copy_(torch.from_numpy(np.asarray(block.norm.bias.get_value()).copy()))
+                # MaxPool ceil_mode: an odd side keeps its last row, as SAME pooling does
+                blocks += [conv, norm, nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True)]
+            self.blocks = nn.Sequential(*blocks)
+            self.dense = nn.ModuleList()
+            for layer in jax_model.dense:
+                kernel = np.asarray(layer.kernel.get_value())
+                linear = nn.Linear(*kernel.shape)
+                linear.weight.data.copy_(torch.from_numpy(kernel.T.copy()))
+                linear.bias.data.copy_(torch.from_numpy(np.asarray(layer.bias.get_value()).copy()))
+                self.dense.append(linear)
+
+        def forward(self, x_nhwc):
+            x = self.blocks(x_nhwc.permute(0, 3, 1, 2))
+            x = x.permute(0, 2, 3, 1).flatten(1)  # flatten in jax's (H, W, C) order
+            for layer in self.dense[:-1]:
+                x = torch.relu(layer(x))
+            return self.dense[-1](x)
+
+    if config.norm != "batch" or config.dropout:
+        raise UserError("the torch twin is written for the default model (batch norm, no dropout)")
+    return TorchCNN()
+
+
+def check_agreement(jax_model, twin, images: np.ndarray, labels: np.ndarray) -> dict:
+    """Do the two compute the same thing? Logits and loss of one training-mode forward from
+    the same weights on the same batch, each backend also against the torch twin run in
+    float64 (the exact answer up to float64 rounding), which says whose fp32 rounding a
+    difference is. Raises UserError when the losses disagree beyond 1e-5."""
+    import torch
+
+    jax_logits = np.asarray(jax_model(jax.numpy.asarray(images), train=True))
+    jax_loss = float(cross_entropy(jax_logits, labels).mean())
+    exact_twin = copy.deepcopy(twin).double().train()  # a copy: its BN statistics update too
+    twin.train()
+    with torch.no_grad():
+        torch_logits = twin(torch.from_numpy(images)).numpy()
+        exact_logits = exact_twin(torch.from_numpy(images.astype(np.float64))).numpy()
+    torch_loss = float(
+        torch.nn.functional.cross_entropy(torch.from_numpy(torch_logits), torch.from_numpy(labels.astype(np.int64)))
+    )
+    if abs(jax_loss - torch_loss) > 1e-5 * max(1.0, abs(jax_loss)):
+        raise UserError(f"jaxcnn and torch disagree on the loss ({jax_loss} vs {torch_loss}): not comparable")
+    return {
+        "max_logit_diff": float(np.max(np.abs(jax_logits - torch_logits))),
+        "loss_diff": abs(jax_loss - torch_loss),
+        "jaxcnn": float(np.max(np.abs(jax_logits - exact_logits))),
+        "torch": float(np.max(np.abs(torch_logits - exact_logits))),
+    }
+
+
+def torch_step_seconds(model, images, labels, steps: int, optimizer=None) -> list[float]:
+    """Seconds of each of `steps` warm Adam steps on one fixed batch (one warm-up first)."""
+    import torch
+
+    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
+    model.train()
+    seconds = []
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if i:  # the first step is warm-up
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _torch_worker(rank, world, port, image_shape, images, labels, commands, replies):
+    """One torch process: builds the twin from the same seed, then times steps on request.
+    A fresh (spawned) interpreter with glibc's default malloc, as torch users run it,
+    unless the parent asked for jaxcnn's settings (JAXCNN_KEEP_HOST_MEMORY)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    # DDP notes that the 1-input-channel kernel's gradient has other strides than its bucket: harmless
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+    config = ModelConfig()
+    model = torch_model(build_model(config, image_shape, 0), config)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        share = len(images) // world
+        images, labels = images[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    torch_step_seconds(model, images, labels, 1, optimizer)  # warm-up outside the timed rounds
+    replies.put((rank, []))
+    while (steps := commands.get()) is not None:
+        replies.put((rank, torch_step_seconds(model, images, labels, steps, optimizer)))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+class TorchWorkers:
+    """`world` spawned torch processes (world > 1: DistributedDataParallel over gloo), kept
+    alive so that their timed rounds interleave with jaxcnn's: both see the same machine.
+    Between rounds they are stopped (SIGSTOP): idle OpenMP and gloo threads spin, and would
+    otherwise take cores from whoever is timed. `steps(n)` (or calling the workers) times
+    n warm steps on every process and returns rank 0's seconds."""
+
+    def __init__(self, image_shape, images, labels, world: int = 1, keep_host_memory: bool = False):
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")  # not fork: this process has started JAX's threads
+        self.commands = [ctx.Queue() for _ in range(world)]
+        self.replies = ctx.Queue()
+        previous = os.environ.get(host_memory.OPT_OUT)
+        os.environ[host_memory.OPT_OUT] = "1" if keep_host_memory else "0"  # the children's malloc
+        try:
+            self.procs = [
+                ctx.Process(
+                    target=_torch_worker,
+                    args=(rank, world, port, image_shape, images, labels, self.commands[rank], self.replies),
+                )
+                for rank in range(world)
+            ]
+            for proc in self.procs:
+                proc.start()
+            self._replies()  # every process built and warmed up
+            self._signal(signal.SIGSTOP)
+        finally:
+            if previous is None:
+                os.environ.pop(host_memory.OPT_OUT)
+            else:
+                os.environ[host_memory.OPT_OUT] = previous
+
+    def _signal(self, signum):
+        for proc in self.procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signum)
+
+    def _replies(self) -> list[float]:
+        seconds = dict(self.replies.get(timeout=600) for _ in self.procs)
+        return seconds[0]
+
+    def steps(self, n: int) -> list[float]:
+        self._signal(signal.SIGCONT)
+        for queue in self.commands:
+            queue.put(n)
+        seconds = self._replies()
+        self._signal(signal.SIGSTOP)
+        return seconds
+
+    __call__ = steps
+
+    def close(self):
+        self._signal(signal.SIGCONT)
+        for queue in self.commands:
+            queue.put(None)
+        for proc in self.procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
