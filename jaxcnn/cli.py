@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -286,52 +287,31 @@ def configs_from_flags(args) -> tuple[ModelConfig, OptimConfig, TrainConfig, Upd
     return model_from_flags(args), optim_from_flags(args), train_from_flags(args), update_from_flags(args)
 
 
+def config_from_flags(cls, args, **flag_for_field):
+    """A config dataclass from the parsed flags: each field from the flag of the same name
+    (or the one `flag_for_field` names); fields without a flag keep their defaults."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        flag = flag_for_field.get(f.name, f.name)
+        if hasattr(args, flag):
+            values[f.name] = getattr(args, flag)
+    return cls(**values)
+
+
 def model_from_flags(args) -> ModelConfig:
-    return ModelConfig(
-        name=args.model,
-        conv_features=args.conv_features,
-        dense_features=args.dense_features,
-        norm=args.norm,
-        dropout=args.dropout,
-        num_classes=args.num_classes,
-        remat=args.remat,
-        remat_names=args.remat_names,
-        dtype=args.dtype,
-    )
+    return config_from_flags(ModelConfig, args, name="model")
 
 
 def optim_from_flags(args) -> OptimConfig:
-    return OptimConfig(
-        name=args.optimizer,
-        learning_rate=args.lr,
-        schedule=args.schedule,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        momentum=args.momentum,
-    )
+    return config_from_flags(OptimConfig, args, name="optimizer", learning_rate="lr")
 
 
 def train_from_flags(args) -> TrainConfig:
-    return TrainConfig(
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        seed=args.seed,
-        eval_batch_size=args.eval_batch_size,
-        batch_schedule=args.batch_schedule,
-        lr_scaling=args.lr_scaling,
-        base_batch=args.base_batch,
-    )
+    return config_from_flags(TrainConfig, args)
 
 
 def update_from_flags(args) -> UpdateConfig:
-    return UpdateConfig(
-        grad_accum=args.grad_accum,
-        sync=args.sync,
-        sync_every=args.sync_every,
-        staleness=args.staleness,
-        skip_nonfinite=getattr(args, "skip_nonfinite", False),
-    )
+    return config_from_flags(UpdateConfig, args)
 
 
 @contextlib.contextmanager

@@ -78,9 +78,9 @@ class Program:
     average_step: Any = None  # local SGD: compiled (state) -> state, replicas averaged
     sync_every: int = 0  # local SGD: run average_step every this many steps (0: never)
     batch_order: np.ndarray | None = None  # gradient accumulation: jaxcnn.steps.UpdatePlan.batch_order
-    boundary_bytes: list[int] = field(
-        default_factory=list
-    )  # pipeline: per device per step, sent across each stage boundary
+    # pipeline: bytes per device per step sent across each stage boundary, and how many sends
+    boundary_bytes: list[int] = field(default_factory=list)
+    boundary_transfers: int = 0  # per boundary per step: M activations forward, M gradients back
     bubble_fraction: float = 0.0  # pipeline: share of each stage's time it idles
     record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)
     description: str = ""  # printed before training (the pipeline's stage table)

@@ -93,7 +93,7 @@ class ProgramCost:
     flops: float
     stage_collectives: list[list[Collective]]
     transfer_bytes: int  # pipeline: the most one stage boundary carries, forward + backward
-    num_collectives: int  # collective instructions executed per step (loops counted once)
+    num_collectives: int  # collectives (loops counted once) and sends between stages per step
 
     def kind_bytes(self, kind: str) -> int:
         return sum(c.step_bytes for stage in self.stage_collectives for c in stage if c.kind == kind) // len(
@@ -129,5 +129,5 @@ def program_cost(program: Program) -> ProgramCost:
         flops=max(flops),
         stage_collectives=found,
         transfer_bytes=max(program.boundary_bytes, default=0),
-        num_collectives=count,
+        num_collectives=count + program.boundary_transfers,
     )

@@ -258,6 +258,7 @@ def build_pipeline_program(
         stage_param_bytes=param_bytes,
         stage_optimizer_bytes=opt_bytes,
         boundary_bytes=[2 * m * b // data_ways for b in act_bytes[:-1]],  # activations forward, gradients back
+        boundary_transfers=2 * m if num_stages > 1 else 0,
         bubble_fraction=bubble_fraction(num_stages, m),
     )
     program.record = {
