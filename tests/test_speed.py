@@ -5,9 +5,9 @@ import itertools
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -99,18 +99,18 @@ def test_a_compiler_option_this_jaxlib_does_not_know_is_dropped_with_a_warning()
 
 
 def test_profile_attributes_the_step_to_ops_of_its_compiled_program(tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rows, summary = load_script("profile_step").main(
-            ["--size", "8", "--steps", "2", "--out-dir", str(tmp_path), "--trace-dir", str(tmp_path / "trace")]
-        )
+    rows, summary = load_script("profile_step").main(
+        ["--size", "8", "--steps", "2", "--out-dir", str(tmp_path), "--trace-dir", str(tmp_path / "trace")]
+    )
     assert rows and abs(sum(r["share_of_traced"] for r in rows) - 1) < 1e-6
     assert all(a["thread_ms_per_step"] >= b["thread_ms_per_step"] for a, b in itertools.pairwise(rows))
     # the ops the trace names are the compiled step's instructions: nearly all time is joined to one
     joined = sum(r["share_of_traced"] for r in rows if r["kind"])
     assert joined > 0.9
-    assert summary["step_seconds_traced"] > 0 and summary["minor_page_faults_per_step"] >= 0
-    assert summary["warmup_steps"] < 60  # under jaxcnn's malloc settings the heap settles
+    assert summary["step_seconds_traced"] > 0
+    # under jaxcnn's malloc settings the heap settles, and then a typical step does not fault its temp buffer in
+    assert summary["warmup_steps"] < 60
+    assert summary["minor_page_faults_per_step"] < max(64, summary["temp_bytes"] // resource.getpagesize() // 100)
     assert (tmp_path / "profile_8.csv").exists() and list((tmp_path / "trace").rglob("*.xplane.pb"))
 
 
