@@ -57,10 +57,7 @@ class CompiledPart(NamedTuple):
 class Program:
     """Everything compiled for one (model, layout, mesh, batch size)."""
 
-    layout: Layout
-    mesh: Mesh
-    batch_size: int
-    eval_batch_size: int
+    spec: ProgramSpec  # what was compiled: model, optimizer, layout, mesh, batch sizes
     batch_shardings: tuple[NamedSharding, NamedSharding]  # train (images, labels)
     eval_shardings: tuple[NamedSharding, NamedSharding, NamedSharding]  # (images, labels, mask)
     placements: list[ParamPlacement]  # parameters, then model state (BN statistics); pipeline: "stage<s>/" paths
@@ -84,6 +81,22 @@ class Program:
     bubble_fraction: float = 0.0  # pipeline: share of each stage's time it idles
     record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)
     description: str = ""  # printed before training (the pipeline's stage table)
+
+    @property
+    def layout(self) -> Layout:
+        return self.spec.layout
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.spec.mesh
+
+    @property
+    def batch_size(self) -> int:
+        return self.spec.batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.spec.eval_batch_size
 
     def place_batch(self, images: np.ndarray, labels: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """A host batch as the train step's global arrays (each process gives its rows)."""

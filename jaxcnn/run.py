@@ -89,7 +89,16 @@ def train(args) -> dict:
 
     # --- compile and train --------------------------------------------------------------
     if budget:
-        train_config = auto_batch(args, configs, layout, mesh, train_set.image_shape, budget, len(train_set))
+        search = auto_batch(
+            model_config, optim_config, layout, mesh, train_set.image_shape, update_config, budget, len(train_set)
+        )
+        print(
+            f"{PROG}: --auto-batch {args.auto_batch}: global batch {search.batch_size} "
+            f"({search.peak_bytes:,} bytes per device; {len(search.probes)} compiles: "
+            + ", ".join(f"{b}->{p / 2**20:.0f}MiB" for b, p in search.probes)
+            + ")"
+        )
+        train_config = dataclasses.replace(train_config, batch_size=search.batch_size)
     programs = build_programs(
         model_config, optim_config, layout, mesh, train_set.image_shape, train_config, len(train_set),
         update=update_config, microbatches=args.microbatches, stage_split=args.stage_split,
@@ -179,9 +188,8 @@ def start_state(program, checkpointer, resume: bool):
     return restored.state, Resume.from_record(restored.record)
 
 
-def auto_batch(args, configs, layout, mesh, image_shape, budget: float, train_size: int):
-    """`--auto-batch`: the train config with the largest batch whose compiled step fits."""
-    model_config, optim_config, train_config, update_config = configs
+def auto_batch(model_config, optim_config, layout, mesh, image_shape, update_config, budget: float, train_size: int):
+    """`--auto-batch`: search compiled train steps for the largest batch that fits (BatchSearch)."""
     if layout.stage_axis:
         raise UserError("--auto-batch needs a single-program layout; give the pipeline a --batch-size")
     # a batch must split over the data shards and then into the micro-batches
@@ -195,14 +203,7 @@ def auto_batch(args, configs, layout, mesh, image_shape, budget: float, train_si
             )  # fmt: skip
         return program_cost(program).peak_bytes
 
-    search = largest_batch(peak, budget, multiple, train_size)
-    print(
-        f"{PROG}: --auto-batch {args.auto_batch}: global batch {search.batch_size} "
-        f"({search.peak_bytes:,} bytes per device; {len(search.probes)} compiles: "
-        + ", ".join(f"{b}->{p / 2**20:.0f}MiB" for b, p in search.probes)
-        + ")"
-    )
-    return dataclasses.replace(train_config, batch_size=search.batch_size)
+    return largest_batch(peak, budget, multiple, train_size)
 
 
 def run_record(args, configs, programs, train_config, outcome: FitResult, train_set, test_set) -> dict:

@@ -126,10 +126,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     compile_seconds = time.perf_counter() - start
 
     return Program(
-        layout=layout,
-        mesh=mesh,
-        batch_size=batch_size,
-        eval_batch_size=eval_batch_size,
+        spec=spec,
         batch_shardings=(image_sharding, vector_sharding),
         eval_shardings=(image_sharding, vector_sharding, vector_sharding),
         placements=placements + stat_placements,

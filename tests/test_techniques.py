@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_BN_DROPOUT, TINY_PLAIN, bundled_digits, compiled_program, train_losses
+from flax import nnx
 
 from jaxcnn.analysis.hlo import collectives
 from jaxcnn.analysis.measure import measure_layout
@@ -20,9 +21,10 @@ from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig, e
 from jaxcnn.data import train_batches
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
+from jaxcnn.models import build_model
 from jaxcnn.optim import make_schedule, optim_for_batch
 from jaxcnn.sharding import build_mesh, get_layout
-from jaxcnn.steps import StepContext, loss_and_grads
+from jaxcnn.steps import StepContext, loss_and_grads, split_model
 
 STEPS = 10
 LAYOUTS = [("dp", {"data": 8}), ("hybrid", {"data": 4, "model": 2})]
@@ -160,7 +162,8 @@ def test_stale_gradients_follow_the_delayed_update_rule(layout, mesh, staleness)
     losses, state, _ = train_losses(get_layout(layout), mesh, TINY_PLAIN, steps=STEPS, optim=optim, update=update)
 
     single = compiled_program(get_layout("single"), {"data": 1}, TINY_PLAIN, STEPS, optim=optim)
-    context = StepContext(single.graphdef, None, single.mesh, single.layout, None)
+    graphdef = split_model(nnx.eval_shape(lambda: build_model(TINY_PLAIN, bundled_digits().image_shape, 0)))[0]
+    context = StepContext(graphdef, None, single.mesh, single.layout, None)
     grad = jax.jit(lambda p, ms, x, y: loss_and_grads(context, p, ms, jax.random.key(0), x, y))
     start = single.init()
     history, model_state, expected = [start.params], start.model_state, []
@@ -230,11 +233,9 @@ def test_largest_batch_search_brackets_and_bisects():
 
 def test_auto_batch_reads_compiled_memory():
     """The answer's compiled step fits; the next allowed batch's does not."""
-    from conftest import load_train_module
-
     from jaxcnn.analysis.cost import step_cost
+    from jaxcnn.run import auto_batch
 
-    module = load_train_module()
     layout, mesh = get_layout("dp"), build_mesh({"data": 8})
 
     def peak(batch):
@@ -242,5 +243,5 @@ def test_auto_batch_reads_compiled_memory():
         return step_cost(program.train_step, program.abstract_state, 8).peak_bytes
 
     budget = (peak(64) + peak(72)) // 2
-    found = module.auto_batch(TINY_PLAIN, OptimConfig(), layout, mesh, (8, 8, 1), UpdateConfig(), budget, 1000)
+    found = auto_batch(TINY_PLAIN, OptimConfig(), layout, mesh, (8, 8, 1), UpdateConfig(), budget, 1000)
     assert found.batch_size == 64 and found.peak_bytes <= budget

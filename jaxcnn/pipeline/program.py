@@ -241,10 +241,7 @@ def build_pipeline_program(
     per_step = [[*(CompiledPart(name, prog[name], m, data_ways) for name in PER_MICROBATCH if name in prog),
                  CompiledPart("update", prog["update"], 1, data_ways)] for prog in programs]  # fmt: skip
     program = Program(
-        layout=layout,
-        mesh=mesh,
-        batch_size=batch_size,
-        eval_batch_size=eval_batch_size,
+        spec=spec,
         batch_shardings=(image_sh, label_sh),
         eval_shardings=(eval_image_sh, eval_vec_sh, eval_vec_sh),
         placements=placements,
