@@ -9,8 +9,9 @@ python experiments/plan.py --devices 8 --budget 4MiB                # bundled di
 from __future__ import annotations
 
 from jaxcnn import cli, results
-from jaxcnn.analysis.hardware import PROFILES, get_profile, parse_bytes
+from jaxcnn.analysis.hardware import PROFILES, get_profile
 from jaxcnn.analysis.planner import FSDP_TP, explain, plan
+from jaxcnn.config import parse_bytes
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import format_mesh, simulate_cpu_devices
 

@@ -17,6 +17,7 @@ from jaxcnn.errors import UserError
 from jaxcnn.models import build_model
 from jaxcnn.optim import optim_for_batch
 from jaxcnn.pipeline import build_pipeline_program
+from jaxcnn.pipeline.split import default_microbatches
 from jaxcnn.program import Program, ProgramSpec
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.mesh import ParallelDims
@@ -52,16 +53,14 @@ def build_program(
     jaxcnn's XLA options for the steps (None: jaxcnn.compiling's for the platform)."""
     eval_batch_size = eval_batch_size or batch_size
     update = update or UpdateConfig()
-    if layout.stage_axis and update != UpdateConfig():
-        raise UserError(
-            "--grad-accum, --sync, --staleness and --skip-nonfinite do not apply to --layout pipeline "
-            "(its micro-batches already accumulate: use --microbatches)"
-        )
-    if not layout.stage_axis and (microbatches or stage_split):
-        raise UserError("--microbatches and --stage-split apply to --layout pipeline only")
-    ParallelDims(layout, dict(mesh.shape)).validate(
-        batch_size, eval_batch_size=eval_batch_size, image_shape=image_shape, grad_accum=update.grad_accum
-    )
+    check_layout_options(layout, update, microbatches, stage_split)
+    dims = ParallelDims(layout, dict(mesh.shape))
+    if layout.stage_axis:
+        microbatches = microbatches or default_microbatches(batch_size, dims.stages)
+    dims.validate(
+        batch_size, eval_batch_size=eval_batch_size, image_shape=image_shape, grad_accum=update.grad_accum,
+        microbatches=microbatches,
+    )  # fmt: skip
     spec = ProgramSpec(
         model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
         with_eval, with_init, update, compiler_options,
@@ -69,6 +68,19 @@ def build_program(
     if layout.stage_axis:
         return build_pipeline_program(spec, microbatches, stage_split)
     return build_spmd_program(spec)
+
+
+def check_layout_options(
+    layout: Layout, update: UpdateConfig, microbatches: int | None, stage_split: tuple[int, ...] | None
+) -> None:
+    """The options that apply to the pipeline only, or to every layout but it."""
+    if layout.stage_axis and update != UpdateConfig():
+        raise UserError(
+            "--grad-accum, --sync, --staleness and --skip-nonfinite do not apply to --layout pipeline "
+            "(its micro-batches already accumulate: use --microbatches)"
+        )
+    if not layout.stage_axis and (microbatches or stage_split):
+        raise UserError("--microbatches and --stage-split apply to --layout pipeline only")
 
 
 def build_programs(

@@ -2,6 +2,10 @@
 
 Scripts stay thin: they build a parser from these groups, turn the flags into configs
 with the `*_from_flags` helpers, call the library and write results.
+
+This module imports nothing that starts JAX at import time (the helpers that need the
+sharding, data or results modules import them when called), so a command line can parse
+its flags -- and set the simulated device count -- before JAX is loaded.
 """
 
 from __future__ import annotations

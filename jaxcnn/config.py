@@ -203,3 +203,28 @@ def epoch_steps(train_size: int, config: TrainConfig) -> list[int]:
 
 def total_steps(train_size: int, config: TrainConfig) -> int:
     return sum(epoch_steps(train_size, config))
+
+
+def parse_bytes(text: str) -> float:
+    """'16GiB', '512MiB', '80GB', '1e9' -> bytes."""
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+        "b": 1,
+    }
+    clean = text.strip().lower().replace(" ", "")
+    unit = next((u for u in units if clean.endswith(u)), None)
+    number, factor = (clean[: -len(unit)], units[unit]) if unit else (clean, 1)
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise UserError(f"cannot read {text!r} as a size; write e.g. 16GiB, 512MiB or 80GB") from None
+    if value <= 0:
+        raise UserError(f"a memory budget must be positive, got {text!r}")
+    return value

@@ -128,7 +128,7 @@ class LayerShape:
 
 def layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int]) -> list[LayerShape]:
     """Every layer of the model in order: the one description both the model and the
-    analytic cost model (jaxcnn.sharding.comm_model) are built from."""
+    analytic cost model (jaxcnn.analysis.comm_model) are built from."""
     height, width, in_features = image_shape
     layers, space_in = [], ax.CONV_IN
     for features, space_out in zip(config.conv_features, conv_channel_spaces(len(config.conv_features)), strict=True):

@@ -6,6 +6,9 @@ import dataclasses
 
 import jax
 import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcnn.config import OptimConfig, TrainConfig
 
@@ -68,3 +71,16 @@ def optim_for_batch(config: OptimConfig, train: TrainConfig, batch_size: int) ->
         return config
     warmup_from = min(config.learning_rate, config.learning_rate * factor) if train.lr_scaling == "linear" else 0.0
     return dataclasses.replace(config, learning_rate=config.learning_rate * factor, warmup_from=warmup_from)
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, param_shardings, mesh: Mesh):
+    """Optimizer state is placed like the parameters it mirrors; its scalars are replicated."""
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        abstract_opt_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )

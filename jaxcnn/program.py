@@ -51,6 +51,7 @@ class CompiledPart(NamedTuple):
     compiled: Any  # jax.stages.Compiled
     calls: int
     devices: int
+    takes_optimizer_state: bool = True  # False: the state stays resident beside it (a pipeline's forward)
 
 
 @dataclass
@@ -79,6 +80,8 @@ class Program:
     boundary_bytes: list[int] = field(default_factory=list)
     boundary_transfers: int = 0  # per boundary per step: M activations forward, M gradients back
     bubble_fraction: float = 0.0  # pipeline: share of each stage's time it idles
+    microbatches: int = 1  # pipeline: micro-batches a step streams through the stages
+    layer_groups: list[range] = field(default_factory=list)  # pipeline: the model's layers each stage holds
     record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)
     description: str = ""  # printed before training (the pipeline's stage table)
 

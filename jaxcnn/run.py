@@ -17,12 +17,13 @@ import jax
 
 from jaxcnn import cli, results
 from jaxcnn.analysis.cost import program_cost
-from jaxcnn.analysis.hardware import parse_bytes
 from jaxcnn.analysis.lint import format_report, lint_program
 from jaxcnn.autobatch import largest_batch
-from jaxcnn.build import build_program, build_programs
+from jaxcnn.build import build_program, build_programs, check_layout_options
 from jaxcnn.checkpoint import Checkpointer, check_checkpoint_flags
+from jaxcnn.config import parse_bytes
 from jaxcnn.data import Augment, Dataset, Loader, load_csv, parse_image_shape, synthetic_dataset
+from jaxcnn.data.loader import check_input_options
 from jaxcnn.distributed import cluster_from, initialize
 from jaxcnn.errors import UserError
 from jaxcnn.fit import FitResult, Resume, fit
@@ -62,15 +63,17 @@ def train(args) -> dict:
     layout = parse_rules(args.layout_rules) if args.layout_rules else get_layout(args.layout)
     mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
     cluster = cluster_from(args.coordinator, args.num_processes, args.process_id)
-    loader_options = dict(augment=Augment(args.augment_shift, args.augment_flip), workers=args.input_workers,
-                          depth=args.prefetch)  # fmt: skip
+    augment = Augment(args.augment_shift, args.augment_flip)
     budget = parse_bytes(args.auto_batch) if args.auto_batch else None
     _check_flags(args, layout, train_config, budget)
+    check_layout_options(layout, update_config, args.microbatches, args.stage_split)
+    for note in ParallelDims(layout, mesh_shape).notes:  # the mesh has every axis the layout splits over
+        warnings.warn(note, stacklevel=1)
     results_dir = results.ensure_writable_dir(args.results_dir)
     train_set, test_set = load_data(args, model_config.num_classes)
-    loader = Loader(train_set, **loader_options)
+    loader = Loader(train_set, augment=augment, workers=args.input_workers, depth=args.prefetch)
 
-    # --- devices and mesh (build_program checks every size against the layout's degrees) ---
+    # --- devices and mesh ----------------------------------------------------------------
     host_devices = host_devices_for(mesh_shape, args.host_devices, cli.DEFAULT_SIMULATED_DEVICES)
     if cluster.num_processes > 1 and args.host_devices is None:  # the mesh's devices, shared by the processes
         host_devices = max(host_devices // cluster.num_processes, 1)
@@ -82,9 +85,6 @@ def train(args) -> dict:
     if simulated and args.host_devices is None and jax.process_index() == 0:
         print(f"{PROG}: no accelerator found; simulating {len(devices)} CPU devices (--host-devices N to change)")
     mesh_shape = resolve_mesh(mesh_shape, len(devices))
-    dims = ParallelDims(layout, mesh_shape)
-    for note in dims.notes:
-        warnings.warn(note, stacklevel=1)
     mesh = build_mesh(mesh_shape, devices)
 
     # --- compile and train --------------------------------------------------------------
@@ -99,6 +99,11 @@ def train(args) -> dict:
             + ")"
         )
         train_config = dataclasses.replace(train_config, batch_size=search.batch_size)
+    for batch in train_config.batch_sizes:  # every size the run will use, before the first compile
+        ParallelDims(layout, mesh_shape).validate(
+            batch, eval_batch_size=train_config.eval_batch_size, image_shape=train_set.image_shape,
+            grad_accum=update_config.grad_accum, microbatches=args.microbatches,
+        )  # fmt: skip
     programs = build_programs(
         model_config, optim_config, layout, mesh, train_set.image_shape, train_config, len(train_set),
         update=update_config, microbatches=args.microbatches, stage_split=args.stage_split,
@@ -134,6 +139,7 @@ def train(args) -> dict:
 
 def _check_flags(args, layout, train_config, budget) -> None:
     """What the flags alone can tell is wrong (the configs check their own fields)."""
+    check_input_options(args.input_workers, args.prefetch)
     if layout.stage_axis and args.checkpoint_dir:
         raise UserError("--checkpoint-dir does not apply to --layout pipeline yet: its state lives per stage")
     if args.resume and not args.checkpoint_dir:

@@ -19,13 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
 from jaxcnn.models import build_model
-from jaxcnn.optim import make_optimizer
+from jaxcnn.optim import make_optimizer, optimizer_shardings
 from jaxcnn.program import CompiledPart, Program, ProgramSpec
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import (
     bytes_per_device,
     data_sharding,
-    optimizer_shardings,
     place_variables,
     quiet_fallbacks,
 )

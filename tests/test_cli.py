@@ -83,6 +83,22 @@ BAD_INPUT = {
         "a pipeline of 4 stages needs at least 4 layers",
     ),
     "micro-batches without pipeline": (["--microbatches", "4"], "apply to --layout pipeline only"),
+    "channels not divisible": (
+        ["--layout-rules", "batch=data,channels=model", "--mesh", "data=4,model=2"],
+        "image channels 1 is not divisible by mesh axes model=2",
+    ),
+    "a later batch not divisible": (
+        ["--batch-schedule", "0:64,1:100", "--epochs", "2"],
+        "global batch of 100 is not divisible by mesh axes data=8",
+    ),
+    "checkpoints with the pipeline": (
+        ["--layout", "pipeline", "--checkpoint-dir", lambda tmp: str(tmp / "ck")],
+        "--checkpoint-dir does not apply to --layout pipeline yet",
+    ),
+    "bad flag before a missing file": (
+        ["--input-workers", "0", "--data", "nowhere.csv"],
+        "--input-workers and --prefetch must be >= 1, got 0 and 2",
+    ),
     # training techniques
     "grad-accum zero": (["--grad-accum", "0"], "--grad-accum must be a positive integer"),
     "grad-accum not dividing": (["--grad-accum", "3"], "does not split into 8 data shards x 3 micro-batches"),

@@ -38,6 +38,12 @@ def test_compute_layout_only_undoes_the_fsdp_split():
     assert get_layout("dp").compute_layout() == get_layout("dp")
 
 
+def test_a_user_table_s_default_mesh_follows_the_order_written():
+    assert parse_rules("conv_out=model,batch=data").default_mesh == "model=-1,data=1"
+    assert parse_rules("batch=data+fsdp,params=fsdp,conv_out=model").default_mesh == "data=-1,fsdp=1,model=1"
+    assert parse_rules("embed=none").default_mesh == "data=1"
+
+
 def test_hybrid_is_dp_and_tp_composed():
     dp, tp, hybrid = get_layout("dp"), get_layout("tp"), get_layout("hybrid")
     assert hybrid.params == tp.params and hybrid.activations == dp.activations
@@ -52,5 +58,8 @@ def test_parallel_dims_checks_the_mesh_and_every_size_up_front():
     dims = ParallelDims(get_layout("dp"), {"data": 4, "model": 2})
     assert dims.notes == ["mesh axis model=2 is not used by layout dp: its devices hold replicas"]
     assert dims.data == 4 and dims.validate(8, eval_batch_size=12, grad_accum=2) is dims
+    channels = ParallelDims(parse_rules("batch=data,channels=model"), {"data": 2, "model": 2})
+    with pytest.raises(UserError, match="image channels 3 is not divisible by mesh axes model=2"):
+        channels.validate(8, image_shape=(8, 8, 3))
     pipeline = ParallelDims(get_layout("pipeline"), {"stage": 4})  # the data axis is optional there
     assert (pipeline.data, pipeline.stages) == (1, 4)

@@ -70,8 +70,9 @@ def test_user_rules_table():
     assert layout.axes_for("embed") == ()
     assert layout.axes_for("height") == ("data", "spatial")
     assert layout.axes_for("classes") is None
-    assert layout.mesh_axes == ("data", "spatial", "model")
-    assert layout.default_mesh == "data=-1,spatial=1,model=1"
+    assert set(layout.mesh_axes) == {"data", "model", "spatial"}
+    assert layout.default_mesh == "data=-1,model=1,spatial=1"  # the order written, every device on the first
+    assert parse_rules("conv_out=model,batch=data").default_mesh == "model=-1,data=1"
 
 
 @pytest.mark.parametrize(

@@ -53,12 +53,11 @@ CASES = [(mesh, m) for s in (2, 4) for mesh in ({"stage": s}, {"data": 2, "stage
 def test_pipeline_matches_single_device(single, mesh, microbatches):
     reference, ref_state, _ = single
     losses, state, program = pipeline_run(mesh, microbatches)
-    assert program.record["microbatches"] == microbatches and len(program.stages) == mesh["stage"]
+    assert program.microbatches == microbatches and len(program.stages) == mesh["stage"]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     # final parameters: stage s holds exactly the single-device model's layers of group s
     reference_params = {_keys(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(ref_state.params)}
-    groups = [range(g[0], g[-1] + 1) for g in program.record["stages"]]
-    for stage, group in zip(state.stages, groups, strict=True):
+    for stage, group in zip(state.stages, program.layer_groups, strict=True):
         for path, leaf in jax.tree_util.tree_leaves_with_path(stage.params):
             np.testing.assert_allclose(
                 np.asarray(leaf), np.asarray(reference_params[_global(path, group)]), rtol=1e-4, atol=1e-6

@@ -3,10 +3,10 @@
 import pytest
 from conftest import TINY_PLAIN
 
-from jaxcnn.analysis.hardware import get_profile, parse_bytes
+from jaxcnn.analysis.hardware import get_profile
 from jaxcnn.analysis.planner import candidates_for, explain, plan, rank
 from jaxcnn.analysis.verdicts import step_verdicts, verdict
-from jaxcnn.config import ModelConfig
+from jaxcnn.config import ModelConfig, parse_bytes
 from jaxcnn.errors import UserError
 
 # dense-heavy, so parameters + Adam state (not activations) decide what fits

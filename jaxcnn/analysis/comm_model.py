@@ -50,7 +50,7 @@ from jaxcnn.sharding.partition import ParamPlacement, spatial_split_ok
 
 @dataclass(frozen=True)
 class CommTerm:
-    kind: str  # a collective kind (jaxcnn.sharding.inspect.KINDS)
+    kind: str  # a collective kind (jaxcnn.analysis.hlo.KINDS)
     what: str  # which term of the model, for the report
     group_size: int
     buffer_bytes: float
@@ -171,8 +171,8 @@ def pipeline_summary(program: Program, config: ModelConfig, image_shape: tuple[i
     with a data axis of D > 1 each stage all-reduces its parameters' gradient once per
     micro-batch (M per step); every boundary carries each micro-batch's activation forward
     and its gradient back, 2 x M x micro x (the last layer's pooled output) x f / D."""
-    groups = [range(g[0], g[-1] + 1) for g in program.record["stages"]]
-    m, data_ways = program.record["microbatches"], program.mesh.size // len(groups)
+    groups, m = program.layer_groups, program.microbatches
+    data_ways = program.mesh.size // len(groups)
     layers, micro = layer_shapes(config, image_shape), program.batch_size // m
     sent = []
     for group in groups[:-1]:

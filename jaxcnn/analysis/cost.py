@@ -89,7 +89,7 @@ class ProgramCost:
     param_bytes: int
     optimizer_bytes: int
     temp_bytes: int
-    peak_bytes: int  # pipeline: the stage's largest program's live bytes + its optimizer state
+    peak_bytes: int  # the most live at once: a program's arguments, outputs, temporaries (+ resident state)
     flops: float
     stage_collectives: list[list[Collective]]
     transfer_bytes: int  # pipeline: the most one stage boundary carries, forward + backward
@@ -115,9 +115,12 @@ def program_cost(program: Program) -> ProgramCost:
         analyses = [_analyses(part.compiled) for part in stage]
         flops.append(sum(part.calls * float(c.get("flops", 0.0)) for part, (_, c) in zip(stage, analyses, strict=True)))
         temp.append(max(m.temp_size_in_bytes for m, _ in analyses))
-        live = max(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-                   for m, _ in analyses)  # fmt: skip
-        peak.append(live if len(program.stages) == 1 else live + optimizer_bytes)
+        # live bytes of each program, plus the optimizer state where it stays resident beside it
+        peak.append(max(
+            m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+            + (0 if part.takes_optimizer_state else optimizer_bytes)
+            for part, (m, _) in zip(stage, analyses, strict=True)
+        ))  # fmt: skip
         per_part = [part_collectives(part) for part in stage]
         found.append([c for cs in per_part for c in cs])
         count += sum(len(cs) * part.calls for part, cs in zip(stage, per_part, strict=True))

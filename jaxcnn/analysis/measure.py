@@ -172,7 +172,7 @@ def measure_layout(
 def pipeline_fields(program: Program, cost) -> dict:
     return {
         "bytes_between_stages": cost.transfer_bytes,
-        "microbatches": program.record["microbatches"],
+        "microbatches": program.microbatches,
         "bubble_fraction": program.bubble_fraction,
     }
 

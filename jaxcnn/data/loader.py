@@ -102,6 +102,11 @@ def to_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local, array.shape)
 
 
+def check_input_options(workers: int, depth: int) -> None:
+    if workers < 1 or depth < 1:
+        raise UserError(f"--input-workers and --prefetch must be >= 1, got {workers} and {depth}")
+
+
 class Prefetcher:
     """Builds `produce(i)` for i in range(count) ahead of the consumer on `workers` threads,
     at most `depth` batches ahead, and yields them in order.
@@ -127,8 +132,7 @@ class Prefetcher:
         workers: int = 1,
         idle: Callable[[], object] | None = None,
     ):
-        if depth < 1 or workers < 1:
-            raise UserError(f"--prefetch and --input-workers must be >= 1, got {depth} and {workers}")
+        check_input_options(workers, depth)
         self.wait_seconds = 0.0
         self.stall_seconds = 0.0
         self._produce, self._count, self._depth, self._idle = produce, count, depth, idle
@@ -184,8 +188,7 @@ class Loader:
     depth: int = 2
 
     def __post_init__(self):
-        if self.depth < 1 or self.workers < 1:
-            raise UserError(f"--prefetch and --input-workers must be >= 1, got {self.depth} and {self.workers}")
+        check_input_options(self.workers, self.depth)
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -27,35 +27,30 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
 from jaxcnn.models import build_model, cross_entropy
-from jaxcnn.optim import apply_optimizer, make_optimizer
+from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
 from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
-from jaxcnn.pipeline.split import Stage, default_microbatches, stage_groups, sub_meshes
+from jaxcnn.pipeline.split import Stage, stage_groups, sub_meshes
 from jaxcnn.program import CompiledPart, Program, ProgramSpec
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import DP
-from jaxcnn.sharding.mesh import ParallelDims
 from jaxcnn.sharding.partition import (
     ParamPlacement,
     activation_layout,
     bytes_per_device,
     data_sharding,
-    optimizer_shardings,
     place_variables,
 )
 
 
-def build_pipeline_program(
-    spec: ProgramSpec, microbatches: int | None = None, stage_split: tuple[int, ...] | None = None
-) -> Program:
-    """Per-stage programs on the stages' sub-meshes, run by the GPipe schedule
-    (`microbatches` None: `default_microbatches`; `stage_split` None: balanced by FLOPs)."""
+def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tuple[int, ...] | None) -> Program:
+    """Per-stage programs on the stages' sub-meshes, run by the GPipe schedule (sizes
+    validated by jaxcnn.build; `stage_split` None: balanced by FLOPs)."""
     # a pipeline always compiles init, and has no update rule but its micro-batches (jaxcnn.build checks)
     (model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
      with_eval, _, _, compiler_options) = spec  # fmt: skip
     num_stages = mesh.shape[layout.stage_axis]
     groups = stage_groups(model_config, image_shape, num_stages, stage_split)
-    m = microbatches or default_microbatches(batch_size, num_stages)
-    ParallelDims(layout, dict(mesh.shape)).validate(batch_size, microbatches=m)
+    m = microbatches
     micro = batch_size // m
     meshes = sub_meshes(mesh, layout.stage_axis)
     data_ways = math.prod(meshes[0].shape.values())
@@ -238,7 +233,7 @@ def build_pipeline_program(
     compile_seconds = time.perf_counter() - start
 
     schedule = GPipe(programs, rep, m, batch_size, seed, group_images, group_labels, eval_tail)
-    per_step = [[*(CompiledPart(name, prog[name], m, data_ways) for name in PER_MICROBATCH if name in prog),
+    per_step = [[*(CompiledPart(name, prog[name], m, data_ways, False) for name in PER_MICROBATCH if name in prog),
                  CompiledPart("update", prog["update"], 1, data_ways)] for prog in programs]  # fmt: skip
     program = Program(
         spec=spec,
@@ -257,6 +252,8 @@ def build_pipeline_program(
         boundary_bytes=[2 * m * b // data_ways for b in act_bytes[:-1]],  # activations forward, gradients back
         boundary_transfers=2 * m if num_stages > 1 else 0,
         bubble_fraction=bubble_fraction(num_stages, m),
+        microbatches=m,
+        layer_groups=groups,
     )
     program.record = {
         "stages": [list(g) for g in groups],

@@ -73,7 +73,10 @@ class Layout:
         return replace(self, fsdp=())
 
     def with_batch_axes(self, axes: MeshAxes) -> Layout:
-        """The same table with the batch split over `axes` instead."""
+        """The same table with the batch split over `axes` instead (a table that leaves the
+        batch to XLA keeps doing so when there is nothing left to split it over)."""
+        if not axes and self.axes_for(ax.BATCH) is None:
+            return self
         return replace(self, activations=_set(self.activations, ax.BATCH, axes))
 
     @property
@@ -224,6 +227,9 @@ def parse_rules(text: str, name: str = "custom") -> Layout:
             (params if logical in ax.PARAM_AXES else activations).append((logical, targets))
     if not seen:
         raise UserError(f"--layout-rules {text!r} holds no rule; write e.g. batch=data,conv_out=model")
-    layout = Layout(name, tuple(params), tuple(activations), fsdp)
-    default = ",".join(f"{axis}={-1 if i == 0 else 1}" for i, axis in enumerate(layout.mesh_axes)) or "data=1"
-    return replace(layout, default_mesh=default)
+    # the default mesh: the axes in the order written, every device on the first
+    written = {axis for _, axes in (*params, *activations, ("", fsdp)) for axis in axes}
+    named = (axis.strip() for item in text.split(",") for axis in item.partition("=")[2].split("+"))
+    order = [axis for axis in dict.fromkeys(named) if axis in written]
+    default = ",".join(f"{axis}={-1 if i == 0 else 1}" for i, axis in enumerate(order))
+    return Layout(name, tuple(params), tuple(activations), fsdp, default_mesh=default or "data=1")

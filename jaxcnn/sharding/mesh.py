@@ -139,7 +139,7 @@ class ParallelDims:
     lists mesh axes the layout leaves unused (their devices hold replicas)."""
 
     layout: Layout
-    mesh_shape: MeshShape  # resolved: no -1
+    mesh_shape: MeshShape  # the axes' names suffice for `notes`; `validate` needs the sizes resolved (no -1)
 
     def __post_init__(self):
         object.__setattr__(self, "notes", check_layout_axes(
@@ -185,7 +185,7 @@ class ParallelDims:
                     f"a micro-batch of {batch_size // microbatches} ({batch_size}/{microbatches}) does not split over "
                     f"data={d}; use a batch that is a multiple of {microbatches * d}"
                 )
-        for dim, name in enumerate((ax.HEIGHT, ax.WIDTH)):
+        for dim, name in enumerate((ax.HEIGHT, ax.WIDTH, ax.CHANNELS)):
             ways = self.layout.degree(name, self.mesh_shape)
             if image_shape is not None and image_shape[dim] % ways:
                 raise UserError(

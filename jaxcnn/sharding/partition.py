@@ -20,7 +20,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import jax
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -203,19 +202,6 @@ def place_variables(tree, layout: Layout, mesh: Mesh) -> tuple[object, list[Para
 
     shardings = jax.tree_util.tree_map_with_path(place, tree, is_leaf=_is_variable)
     return shardings, rows
-
-
-def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, param_shardings, mesh: Mesh):
-    """Optimizer state is placed like the parameters it mirrors; its scalars are replicated."""
-    replicated = NamedSharding(mesh, P())
-    return optax.tree_map_params(
-        tx,
-        lambda _, sharding: sharding,
-        abstract_opt_state,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=_is_variable,
-    )
 
 
 # --- activation constraints -------------------------------------------------------------
