@@ -95,6 +95,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_data_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
+    g.add_argument("--dataset", default="digits", help="digits (the CSVs below; default), fashion-mnist or mnist")
+    g.add_argument("--data-dir", help="where --dataset's files are (default: the cache, then /usr/share/datasets)")
     g.add_argument("--data", default="data/train.csv", help="training CSV (label, pixel0..)")
     g.add_argument("--test-data", default="data/test.csv", help="test CSV; without labels -> submission.csv")
     g.add_argument("--channels", type=int, default=1, help="channels per pixel in the CSV (pixels are HWC)")
@@ -261,12 +263,15 @@ def writable_outputs(*paths) -> list[Path | None]:
 
 
 def data_from_flags(args, num_classes: int):
-    """(image shape, the --data CSV as a Dataset); with --synthetic, (its shape, None)."""
-    from jaxcnn.data import load_csv, parse_image_shape
+    """(image shape, the training set: --dataset's or the --data CSV); with --synthetic, (its shape, None)."""
+    from jaxcnn.data import load_csv, load_named, parse_image_shape
 
     if args.synthetic:
         return parse_image_shape(args.synthetic), None
-    data = load_csv(args.data, channels=args.channels, num_classes=num_classes)
+    if getattr(args, "dataset", "digits") != "digits":
+        data = load_named(args.dataset, args.data_dir)[0]
+    else:
+        data = load_csv(args.data, channels=args.channels, num_classes=num_classes)
     return data.image_shape, data
 
 

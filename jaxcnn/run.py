@@ -22,7 +22,8 @@ from jaxcnn.autobatch import largest_batch
 from jaxcnn.build import build_program, build_programs, check_layout_options
 from jaxcnn.checkpoint import Checkpointer, check_checkpoint_flags
 from jaxcnn.config import parse_bytes
-from jaxcnn.data import Augment, Dataset, Loader, load_csv, parse_image_shape, synthetic_dataset
+from jaxcnn.data import Augment, Dataset, Loader, load_csv, load_named, parse_image_shape, synthetic_dataset
+from jaxcnn.data.datasets import BUNDLED
 from jaxcnn.data.loader import check_input_options
 from jaxcnn.distributed import cluster_from, initialize
 from jaxcnn.errors import UserError
@@ -153,11 +154,13 @@ def _check_flags(args, layout, train_config, budget) -> None:
 
 
 def load_data(args, num_classes: int) -> tuple[Dataset, Dataset]:
-    """(training set, test set): the CSVs, or --synthetic images."""
+    """(training set, test set): --synthetic images, a --dataset by name, or the CSVs."""
     if args.synthetic:
         shape = parse_image_shape(args.synthetic)
         train_set = synthetic_dataset(shape, args.synthetic_size, num_classes, args.seed)
         return train_set, synthetic_dataset(shape, max(args.synthetic_size // 4, 1), num_classes, args.seed + 1)
+    if args.dataset != BUNDLED:
+        return load_named(args.dataset, args.data_dir)
     train_set = load_csv(args.data, channels=args.channels, num_classes=num_classes)
     test_set = load_csv(args.test_data, channels=args.channels, num_classes=num_classes, need_labels=False)
     if test_set.image_shape != train_set.image_shape:

@@ -71,6 +71,11 @@ BAD_INPUT = {
         "image height 6 is not divisible by mesh axes spatial=4",
     ),
     "missing file": (["--data", "nowhere.csv"], "nowhere.csv not found"),
+    "unknown dataset": (["--dataset", "cifar"], "unknown --dataset 'cifar'; use digits"),
+    "dataset not found": (
+        ["--dataset", "mnist", "--data-dir", lambda tmp: str(tmp / "empty")],
+        "--dataset mnist: its files are in none of",
+    ),
     "ragged file": (["--data", _ragged], "ragged rows"),
     "bad flag value": (["--epochs", "many"], "argument --epochs: invalid int value"),
     "layout axis missing": (["--layout", "dp", "--mesh", "model=8"], "splits over mesh axis 'data'"),

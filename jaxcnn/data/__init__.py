@@ -1,6 +1,7 @@
-"""Data: where images come from (sources) and how they become the step's sharded
-batches (loader)."""
+"""Data: where images come from (sources: CSV, synthetic; datasets: standard ones by
+name, read from IDX files) and how they become the step's sharded batches (loader)."""
 
+from jaxcnn.data.datasets import DATASETS, load_named
 from jaxcnn.data.loader import (
     Augment,
     Loader,
@@ -14,6 +15,7 @@ from jaxcnn.data.loader import (
 from jaxcnn.data.sources import Dataset, image_shape_for, load_csv, parse_image_shape, synthetic_dataset
 
 __all__ = [
+    "DATASETS",
     "Augment",
     "Dataset",
     "Loader",
@@ -23,6 +25,7 @@ __all__ = [
     "eval_batches",
     "image_shape_for",
     "load_csv",
+    "load_named",
     "parse_image_shape",
     "synthetic_dataset",
     "to_global",

@@ -1,0 +1,101 @@
+"""Standard datasets by name: the IDX reader, where the files are looked for, checksums,
+and each broken file as one clear line. Small IDX files written here; the real
+Fashion-MNIST files are read where Debian's package is installed."""
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import load_train_module
+
+from jaxcnn.data import load_named
+from jaxcnn.data.datasets import DATASETS, FILES, search_dirs
+from jaxcnn.data.idx import read_idx
+from jaxcnn.errors import UserError
+
+
+def write_idx(path: Path, array: np.ndarray, compress: bool = True) -> Path:
+    """An IDX file of unsigned bytes (the MNIST format), gzipped if `compress`."""
+    content = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    content += array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(content) if compress else content)
+    return path
+
+
+def write_mnist_like(directory: Path, train: int = 64, test: int = 32, side: int = 28, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for (images, labels), count in zip(((FILES[0], FILES[1]), (FILES[2], FILES[3])), (train, test), strict=True):
+        write_idx(directory / f"{images}.gz", rng.integers(0, 256, (count, side, side)))
+        write_idx(directory / labels, np.arange(count) % 10, compress=False)  # one of each kind
+    return directory
+
+
+def test_idx_files_read_back_gzipped_or_not(tmp_path):
+    array = np.arange(2 * 3 * 4).reshape(2, 3, 4) % 256
+    for compress in (True, False):
+        got = read_idx(write_idx(tmp_path / f"a{compress}", array, compress))
+        assert got.dtype == np.uint8 and np.array_equal(got, array)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x00\x00\x08", "is not an IDX file"),
+        (b"PK\x03\x04 not idx", "is not an IDX file"),
+        (bytes([0, 0, 8, 3]) + (2).to_bytes(4, "big"), "is truncated: its header needs 16 bytes"),
+        (bytes([0, 0, 8, 1]) + (5).to_bytes(4, "big") + b"\x01\x02", "is truncated or padded: shape (5,) needs 13"),
+        (gzip.compress(bytes([0, 0, 8, 1]) + (1).to_bytes(4, "big") + b"\x07")[:-6], "is a damaged gzip file"),
+    ],
+)
+def test_a_broken_idx_file_is_one_clear_error_naming_it(tmp_path, content, message):
+    path = tmp_path / "train-images-idx3-ubyte"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        read_idx(path)
+    assert str(path) in str(error.value)
+
+
+def test_a_named_dataset_loads_from_data_dir_scaled_with_labels(tmp_path):
+    train, test = load_named("mnist", write_mnist_like(tmp_path / "mnist"))
+    assert train.images.shape == (64, 28, 28, 1) and test.images.shape == (32, 28, 28, 1)
+    assert train.images.dtype == np.float32 and train.images.min() >= 0.0 and train.images.max() <= 1.0
+    assert np.array_equal(test.labels, np.arange(32) % 10)
+    assert train.source == str(tmp_path / "mnist")
+
+
+def test_a_file_that_does_not_match_its_checksum_stops_the_load(tmp_path):
+    with pytest.raises(UserError, match="does not match its published checksum"):
+        load_named("fashion-mnist", write_mnist_like(tmp_path / "fake"))
+
+
+def test_missing_files_name_every_place_looked_and_how_to_get_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXCNN_DATA", str(tmp_path / "cache"))
+    places = search_dirs("mnist", tmp_path / "empty")
+    assert places[:2] == [tmp_path / "empty", tmp_path / "cache" / "mnist"]
+    with pytest.raises(UserError, match="its files are in none of") as error:
+        load_named("mnist", tmp_path / "empty")
+    assert all(str(p) in str(error.value) for p in places) and DATASETS["mnist"].url in str(error.value)
+    with pytest.raises(UserError, match="unknown --dataset 'cifar'"):
+        load_named("cifar")
+
+
+@pytest.mark.skipif(
+    not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="apt-get install dataset-fashion-mnist"
+)
+def test_the_real_fashion_mnist_loads_with_its_checksums():
+    train, test = load_named("fashion-mnist")
+    assert (train.images.shape, test.images.shape) == ((60000, 28, 28, 1), (10000, 28, 28, 1))
+    assert np.array_equal(np.bincount(train.labels), [6000] * 10)  # balanced classes, as published
+
+
+def test_train_script_trains_on_a_named_dataset(tmp_path):
+    data_dir = write_mnist_like(tmp_path / "mnist")
+    record = load_train_module().main(
+        ["--dataset", "mnist", "--data-dir", str(data_dir), "--model", "cnn2d_2layer_fullconnected_2layer",
+         "--conv-features", "8,16", "--dense-features", "32", "--batch-size", "32", "--max-steps", "2",
+         "--quiet", "--results-dir", str(tmp_path / "out")]
+    )  # fmt: skip
+    assert record["data"] == record["test_data"] == str(data_dir)
+    assert len(record["loss_history"]) == 2 and record["test_accuracy"] * 32 == round(record["test_accuracy"] * 32)
