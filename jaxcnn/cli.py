@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from jaxcnn.config import (
+    BUNDLED_TEST,
+    BUNDLED_TRAIN,
     DEFAULT_MODEL,
     DTYPES,
     LR_SCALINGS,
@@ -97,9 +99,13 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--dataset", default="digits", help="digits (the CSVs below; default), fashion-mnist or mnist")
     g.add_argument("--data-dir", help="where --dataset's files are (default: the cache, then /usr/share/datasets)")
-    g.add_argument("--data", default="data/train.csv", help="training CSV (label, pixel0..)")
-    g.add_argument("--test-data", default="data/test.csv", help="test CSV; without labels -> submission.csv")
-    g.add_argument("--channels", type=int, default=1, help="channels per pixel in the CSV (pixels are HWC)")
+    g.add_argument("--data", help="training CSV (label, pixel0..) or image folder (a subfolder per class); "
+                   "default: the bundled digits")  # fmt: skip
+    g.add_argument("--test-data", help="test CSV or image folder; a CSV without labels -> submission.csv; default: "
+                   "the bundled digits' test file, or --val-split of your --data")  # fmt: skip
+    g.add_argument("--val-split", type=float, default=0.1, help="held out of --data when it has no --test-data")
+    g.add_argument("--image-size", metavar="HxW", help="resize folder images to this (default: they must match)")
+    g.add_argument("--channels", type=int, default=1, help="channels per pixel: CSV columns (HWC), folder images' mode")
     g.add_argument("--synthetic", metavar="HxWxC", help="random images of this shape instead of the CSVs")
     g.add_argument("--synthetic-size", type=int, default=1024, help="training images in --synthetic mode")
     g.add_argument("--augment-shift", type=int, default=0, help="random shifts of up to N pixels (host side)")
@@ -213,8 +219,8 @@ def add_output_flags(group, out: str | None = None, plot: str | None = None, out
 
 def add_dataset_flags(group, test_help: str | None = None) -> None:
     """--data and --test-data, for scripts that train on the CSVs and nothing else."""
-    group.add_argument("--data", default="data/train.csv")
-    group.add_argument("--test-data", default="data/test.csv", help=test_help)
+    group.add_argument("--data", default=str(BUNDLED_TRAIN), help="default: the bundled digits")
+    group.add_argument("--test-data", default=str(BUNDLED_TEST), help=test_help)
 
 
 def add_layout_flags(group, layout: str = "single", mesh: str | None = None, mesh_help="default: the layout's") -> None:
@@ -264,14 +270,14 @@ def writable_outputs(*paths) -> list[Path | None]:
 
 def data_from_flags(args, num_classes: int):
     """(image shape, the training set: --dataset's or the --data CSV); with --synthetic, (its shape, None)."""
-    from jaxcnn.data import load_csv, load_named, parse_image_shape
+    from jaxcnn.data import load_named, load_source, parse_image_shape
 
     if args.synthetic:
         return parse_image_shape(args.synthetic), None
     if getattr(args, "dataset", "digits") != "digits":
         data = load_named(args.dataset, args.data_dir)[0]
     else:
-        data = load_csv(args.data, channels=args.channels, num_classes=num_classes)
+        data = load_source(args.data, channels=args.channels, num_classes=num_classes, image_size=args.image_size)
     return data.image_shape, data
 
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from jaxcnn.errors import UserError
 
 DEFAULT_MODEL = "cnn2d_3layer_fullconnected_3layer"
+# The bundled digits, found from the package so that the defaults work from any directory.
+BUNDLED_TRAIN, BUNDLED_TEST = (
+    Path(__file__).resolve().parents[1] / "data" / name for name in ("train.csv", "test.csv")
+)
 MODEL_NAME = re.compile(r"cnn2d_(\d)layer_fullconnected_(\d)layer")
 MAX_CONV_BLOCKS, MAX_DENSE_LAYERS = 6, 4
 

@@ -21,8 +21,17 @@ from jaxcnn.analysis.lint import format_report, lint_program
 from jaxcnn.autobatch import largest_batch
 from jaxcnn.build import build_program, build_programs, check_layout_options
 from jaxcnn.checkpoint import Checkpointer, check_checkpoint_flags
-from jaxcnn.config import parse_bytes
-from jaxcnn.data import Augment, Dataset, Loader, load_csv, load_named, parse_image_shape, synthetic_dataset
+from jaxcnn.config import BUNDLED_TEST, parse_bytes
+from jaxcnn.data import (
+    Augment,
+    Dataset,
+    Loader,
+    load_named,
+    load_source,
+    parse_image_shape,
+    split_validation,
+    synthetic_dataset,
+)
 from jaxcnn.data.datasets import BUNDLED
 from jaxcnn.data.loader import check_input_options
 from jaxcnn.distributed import cluster_from, initialize
@@ -154,15 +163,21 @@ def _check_flags(args, layout, train_config, budget) -> None:
 
 
 def load_data(args, num_classes: int) -> tuple[Dataset, Dataset]:
-    """(training set, test set): --synthetic images, a --dataset by name, or the CSVs."""
+    """(training set, test set): --synthetic images, a --dataset by name, or --data (a CSV or
+    an image folder) with --test-data -- or, for your own --data without one, --val-split
+    of it held out (never the bundled test file beside your training file)."""
     if args.synthetic:
         shape = parse_image_shape(args.synthetic)
         train_set = synthetic_dataset(shape, args.synthetic_size, num_classes, args.seed)
         return train_set, synthetic_dataset(shape, max(args.synthetic_size // 4, 1), num_classes, args.seed + 1)
     if args.dataset != BUNDLED:
         return load_named(args.dataset, args.data_dir)
-    train_set = load_csv(args.data, channels=args.channels, num_classes=num_classes)
-    test_set = load_csv(args.test_data, channels=args.channels, num_classes=num_classes, need_labels=False)
+    source = dict(channels=args.channels, num_classes=num_classes, image_size=args.image_size)
+    train_set = load_source(args.data, **source)
+    if args.test_data or not args.data:
+        test_set = load_source(args.test_data or BUNDLED_TEST, **source, classes=train_set.classes, need_labels=False)
+    else:
+        train_set, test_set = split_validation(train_set, args.val_split, args.seed)
     if test_set.image_shape != train_set.image_shape:
         raise UserError(
             f"test images are {test_set.image_shape}, training images {train_set.image_shape}; use matching files"

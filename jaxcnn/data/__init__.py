@@ -1,7 +1,8 @@
 """Data: where images come from (sources: CSV, synthetic; datasets: standard ones by
 name, read from IDX files) and how they become the step's sharded batches (loader)."""
 
-from jaxcnn.data.datasets import DATASETS, load_named
+from jaxcnn.data.datasets import DATASETS, load_named, load_source
+from jaxcnn.data.folders import load_image_folder, split_validation
 from jaxcnn.data.loader import (
     Augment,
     Loader,
@@ -25,8 +26,11 @@ __all__ = [
     "eval_batches",
     "image_shape_for",
     "load_csv",
+    "load_image_folder",
     "load_named",
+    "load_source",
     "parse_image_shape",
+    "split_validation",
     "synthetic_dataset",
     "to_global",
     "train_batches",

@@ -1,4 +1,5 @@
-"""Standard datasets by name (`--dataset`): where their files are looked for, and how they load.
+"""Datasets by name (`--dataset`) and by path (`--data`): where their files are looked
+for, and how they load.
 
     train_set, test_set = load_named("fashion-mnist")            # 60,000 + 10,000 28x28 images
 
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxcnn.config import BUNDLED_TRAIN
+from jaxcnn.data.folders import load_image_folder, parse_image_size
 from jaxcnn.data.idx import read_idx
-from jaxcnn.data.sources import Dataset
+from jaxcnn.data.sources import Dataset, load_csv
 from jaxcnn.errors import UserError
 
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -94,3 +97,20 @@ def _dataset(images: np.ndarray, labels: np.ndarray, images_path: Path, labels_p
         raise UserError(f"{labels_path} holds label {int(labels.max())}; MNIST-format labels are 0..9")
     pixels = images.astype(np.float32) / 255.0
     return Dataset(pixels[..., None], labels.astype(np.int32), str(images_path.parent))
+
+
+def load_source(
+    path: str | Path | None, *, channels: int = 1, num_classes: int = 10, image_size: str | None = None,
+    classes: tuple[str, ...] | None = None, need_labels: bool = True,
+) -> Dataset:  # fmt: skip
+    """`--data` / `--test-data`: a folder of class subfolders, or a CSV (None: the bundled digits)."""
+    path = Path(path) if path else BUNDLED_TRAIN
+    if path.is_dir():
+        size = parse_image_size(image_size) if image_size else None
+        data = load_image_folder(path, channels=channels, image_size=size, classes=list(classes) if classes else None)
+        if len(data.classes) > num_classes:
+            raise UserError(f"{path} has {len(data.classes)} classes but the model {num_classes}; pass --num-classes")
+        return data
+    if image_size:
+        raise UserError("--image-size applies to image folders; a CSV's images keep their size")
+    return load_csv(path, channels=channels, num_classes=num_classes, need_labels=need_labels)

@@ -27,6 +27,7 @@ class Dataset:
     images: np.ndarray  # float32 [N, H, W, C] in [0, 1]
     labels: np.ndarray | None  # int32 [N], None for a label-free test file
     source: str
+    classes: tuple[str, ...] | None = None  # an image folder's class names, label order
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
