@@ -1,5 +1,5 @@
 """How much of training do the devices sit idle for want of input? A loader made slow on
-purpose (a fixed delay per batch, one worker) against a measured step time.
+purpose (a fixed delay per batch, one loader thread) against a measured step time.
 
 python experiments/input_wait.py                           # 30 and 100 ms loaders
 python experiments/input_wait.py --delays-ms 0,30,60,100 --out results/input_wait.csv
@@ -7,7 +7,7 @@ python experiments/input_wait.py --delays-ms 0,30,60,100 --out results/input_wai
 For each delay d and the measured step time s it prints the steady-state expectation,
 max(d - s, 0) / max(d, s) -- a loader faster than the step idles nothing, a slower one
 idles the devices d - s of every d -- next to `input_wait_fraction` (the wait left after
-the devices have run every dispatched step: jaxcnn.data.Prefetcher), and the throughput
+the devices have run every dispatched step: jaxcnn.data.Batches), and the throughput
 next to its bound, batch / max(d, s). The first batch of the run is a stall of d, so with
 N steps the measured figure sits up to about 1/N above the steady-state expectation; a
 step that starts from idle devices also pays the dispatch (~1 ms here), which is not
@@ -20,6 +20,7 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 from jaxcnn import cli, results
 from jaxcnn.analysis.measure import time_steps
@@ -40,10 +41,15 @@ COLUMNS = [
 class DelayedLoader:
     """The loader's per-batch work, made to take `seconds` (in the Loader's augmentation hook)."""
 
+    active = True
+
     def __init__(self, seconds: float):
         self.seconds = seconds
 
-    def __call__(self, images, seed, epoch, index):
+    def draws(self, seed, epoch, index, size):
+        return np.zeros((size, 1))
+
+    def apply(self, images, draws):
         time.sleep(self.seconds)
         return images
 
@@ -89,7 +95,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for delay_ms in args.delays_ms:
         delay, before = delay_ms / 1e3, step_seconds()
-        loader = Loader(data, augment=DelayedLoader(delay), workers=1, depth=2)
+        loader = Loader(data, augment=DelayedLoader(delay), workers=0, depth=2)
         outcome = fit(program, program.init(), loader, None, config, progress=False)
         step = (before + step_seconds()) / 2  # measured around the run: other work on the machine moves it
         rows.append({

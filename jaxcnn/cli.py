@@ -110,7 +110,11 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic-size", type=int, default=1024, help="training images in --synthetic mode")
     g.add_argument("--augment-shift", type=int, default=0, help="random shifts of up to N pixels (host side)")
     g.add_argument("--augment-flip", action="store_true", help="random horizontal flips (host side)")
-    g.add_argument("--input-workers", type=int, default=2, help="threads preparing batches (default %(default)s)")
+    g.add_argument(
+        "--input-workers", type=int,
+        help="grain worker processes reading, decoding and augmenting batches; 0: one thread of the training process "
+        "(default: 0 for data in memory, one per CPU core for an image folder)",
+    )  # fmt: skip
     g.add_argument("--prefetch", type=int, default=2, help="batches prepared ahead of the step (default %(default)s)")
 
 
@@ -269,7 +273,8 @@ def writable_outputs(*paths) -> list[Path | None]:
 
 
 def data_from_flags(args, num_classes: int):
-    """(image shape, the training set: --dataset's or the --data CSV); with --synthetic, (its shape, None)."""
+    """(image shape, the training set in memory: --dataset's, or --data's CSV or image folder);
+    with --synthetic, (its shape, None)."""
     from jaxcnn.data import load_named, load_source, parse_image_shape
 
     if args.synthetic:
@@ -278,7 +283,7 @@ def data_from_flags(args, num_classes: int):
         data = load_named(args.dataset, args.data_dir)[0]
     else:
         data = load_source(args.data, channels=args.channels, num_classes=num_classes, image_size=args.image_size)
-    return data.image_shape, data
+    return data.image_shape, data.loaded()
 
 
 def experiment_mesh(layout_name: str, mesh_text: str | None) -> tuple:

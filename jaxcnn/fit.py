@@ -5,8 +5,8 @@ record what happened.
     state = programs[batch].init()
     result = fit(programs, state, Loader(train_set), test_set, train_config)
 
-Batches come from the data package's `Loader` (order, gather, augment, place, prefetch);
-the loop only steps, collects metrics and keeps the books.
+Batches come from the data package's `Loader` (a grain pipeline over the whole run: order,
+read, augment, prefetch); the loop places them, steps, collects metrics and keeps the books.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from jaxcnn.checkpoint import state_fingerprint
 from jaxcnn.config import DIVERGENCE_FACTOR, TrainConfig, epoch_steps
-from jaxcnn.data import Dataset, Loader, eval_batches, to_global
+from jaxcnn.data import Batches, Dataset, Loader, Step, eval_batches, to_global
 from jaxcnn.errors import UserError
 from jaxcnn.program import Program
 
@@ -83,12 +83,13 @@ class Resume:
     accuracy_history: list[float]
     epochs: list[dict]
     skipped_steps: int = 0
+    loader: dict | None = None  # the loader's position (Batches.position); None: from the step
 
     @classmethod
     def from_record(cls, record: dict) -> Resume:
         return cls(
             record["step"], record["loss_history"], record["accuracy_history"], record["epochs"],
-            record.get("skipped_steps", 0),
+            record.get("skipped_steps", 0), record.get("loader"),
         )  # fmt: skip
 
     def rows(self, plan: list[int], config: TrainConfig) -> list[dict]:
@@ -143,47 +144,49 @@ def fit(
         total=sum(plan), initial=books.step, unit="step", disable=not progress,
         mininterval=0.1 if interactive else 10, leave=interactive,
     )  # fmt: skip
+    steps = [Step(e, i, programs[config.batch_for_epoch(e)].feed) for e, count in enumerate(plan) for i in range(count)]
+    batches = loader.batches(steps, config.seed, books.step, resume.loader if resume else None)
     result = None
     first_in_epoch = 0
-    for epoch, count in enumerate(plan):
-        first_in_epoch += plan[epoch - 1] if epoch else 0
-        if first_in_epoch + count <= books.step:
-            continue  # finished before the checkpoint this run resumed from
-        program = programs[config.batch_for_epoch(epoch)]
-        state, row = _train_epoch(program, state, loader, books, epoch, first_in_epoch, count, bar)
-        result = evaluate(program, state, test_set) if test_set is not None else None
-        row["test_loss"], row["test_accuracy"] = (result.loss, result.accuracy) if result else (None, None)
-        books.rows.append(row)
-        if checkpointer is not None and (checkpointer.due(books.step) or books.step == sum(plan)):
-            books.save(state)  # at an epoch's end: after its row, so a resumed run's results hold every epoch
-        postfix = {"epoch": epoch + 1, "loss": f"{row['train_loss']:.4f}"}
-        if row["test_accuracy"] is not None:
-            postfix["test_acc"] = f"{row['test_accuracy']:.4f}"
-        bar.set_postfix(postfix)
+    try:
+        for epoch, count in enumerate(plan):
+            first_in_epoch += plan[epoch - 1] if epoch else 0
+            if first_in_epoch + count <= books.step:
+                continue  # finished before the checkpoint this run resumed from
+            program = programs[config.batch_for_epoch(epoch)]
+            state, row = _train_epoch(program, state, batches, books, epoch, first_in_epoch, count, bar)
+            result = evaluate(program, state, test_set) if test_set is not None else None
+            row["test_loss"], row["test_accuracy"] = (result.loss, result.accuracy) if result else (None, None)
+            books.rows.append(row)
+            if checkpointer is not None and (checkpointer.due(books.step) or books.step == sum(plan)):
+                books.save(
+                    state, batches
+                )  # at an epoch's end: after its row, so a resumed run's results hold every epoch
+            postfix = {"epoch": epoch + 1, "loss": f"{row['train_loss']:.4f}"}
+            if row["test_accuracy"] is not None:
+                postfix["test_acc"] = f"{row['test_accuracy']:.4f}"
+            bar.set_postfix(postfix)
+    finally:
+        batches.close()
+    books.input_startup_seconds = batches.startup_seconds
     bar.close()
     if result is None and test_set is not None:  # resumed at the very end: nothing left to train
         result = evaluate(programs[config.batch_for_epoch(len(plan) - 1)], state, test_set)
     return books.result(state, result)
 
 
-def _train_epoch(program: Program, state, loader: Loader, books: _Books, epoch: int, first: int, count: int, bar):
+def _train_epoch(program: Program, state, batches: Batches, books: _Books, epoch: int, first: int, count: int, bar):
     """Run epoch `epoch`'s steps from where `books` stands; (new state, the epoch's row)."""
-    config, start_step = books.config, books.step
     batch, total = program.batch_size, sum(books.plan)
-
-    def devices_idle() -> None:
-        """Block until the devices have run every step dispatched so far (the loader calls
-        this only when the next batch is not built yet; see Prefetcher)."""
-        jax.block_until_ready(state)
-
-    todo = first + count - start_step
-    batches = loader.epoch(epoch, batch, config.seed, program.place_batch, start_step - first, todo, devices_idle)
+    todo = first + count - books.step
     pending = []
     start = time.perf_counter()
-    for images, labels in batches:
+    for _ in range(todo):
+        images, labels = program.place_rows(*batches.next())
         state, step_metrics = program.train_step(state, images, labels)
         if program.sync_every and ((books.step + 1) % program.sync_every == 0 or books.step + 1 == total):
             state = program.average_step(state)  # local SGD: replicas meet (and at the end)
+        batches.dispatched(step_metrics["loss"])
         pending.append(step_metrics)
         if books.images_seen == 0:  # one-off costs: keep them out of steady state
             jax.block_until_ready(state)
@@ -193,12 +196,12 @@ def _train_epoch(program: Program, state, loader: Loader, books: _Books, epoch: 
         bar.update(1)
         if books.checkpointer is not None and books.checkpointer.due(books.step) and books.step < first + count:
             books.collect(pending)  # never save a state that followed a non-finite loss
-            books.save(state)
+            books.save(state, batches)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
-    batches.close()
+    stall = batches.take_stall_seconds()
     books.train_seconds += seconds
-    books.stall_seconds += batches.stall_seconds
+    books.stall_seconds += stall
     books.collect(pending)
     return state, {
         "epoch": epoch + 1,
@@ -210,7 +213,7 @@ def _train_epoch(program: Program, state, loader: Loader, books: _Books, epoch: 
         "test_accuracy": None,
         "epoch_seconds": seconds,
         "images_per_second": todo * batch / seconds,
-        "input_wait_fraction": batches.stall_seconds / seconds,
+        "input_wait_fraction": stall / seconds,
     }
 
 
@@ -225,6 +228,7 @@ class _Books:
         self.skipped, self.step, self.saved_at = resume.skipped_steps, resume.step, resume.step
         self.images_seen = 0
         self.train_seconds = self.stall_seconds = self.first_step_seconds = 0.0
+        self.input_startup_seconds = None
         self.fingerprint = None
 
     def collect(self, metrics: list) -> None:
@@ -249,11 +253,11 @@ class _Books:
                 "Lower --lr, or pass --skip-nonfinite to skip such steps"
             )
 
-    def save(self, state) -> None:
+    def save(self, state, batches: Batches) -> None:
         self.fingerprint = self.fingerprint or state_fingerprint(state)
         record = {
             "step": self.step, "loss_history": self.losses, "accuracy_history": self.accuracies, "epochs": self.rows,
-            "skipped_steps": self.skipped, "fingerprint": self.fingerprint,
+            "skipped_steps": self.skipped, "fingerprint": self.fingerprint, "loader": batches.position(),
         }  # fmt: skip
         self.checkpointer.save(self.step, state, record)
         self.saved_at = self.step
@@ -288,5 +292,6 @@ class _Books:
                 "skipped_steps": self.skipped,
                 "resumed_from_step": self.resumed_from or None,
                 "diverged_at_step": diverged,
+                "input_startup_seconds": self.input_startup_seconds,
             },
         )

@@ -1,4 +1,5 @@
-"""PNG figures for the reports: layouts, scaling, remat, batch scaling, sync vs async (matplotlib, Agg)."""
+"""PNG figures for the reports: layouts, scaling, remat, batch scaling, sync vs async, input
+bound (matplotlib, Agg)."""
 
 from __future__ import annotations
 
@@ -167,5 +168,31 @@ def sync_plot(curves: dict[str, list[float]], rows: list[dict], path: Path, titl
     axes[1].set_xticks(list(x), [r["rule"] for r in rows], fontsize=8, rotation=20)
     axes[1].set_ylabel("MiB per device per step")
     axes[1].set_title("collective bytes per step (compiled HLO)")
+    fig.suptitle(title, y=1.02)
+    return _save(fig, path)
+
+
+def input_bound_plot(rows: list[dict], path: Path, title: str) -> Path:
+    """Training images/s per worker count beside the pipeline's own decode rate, and the
+    input stall against the input-bound threshold."""
+    from jaxcnn.analysis.verdicts import INPUT_BOUND
+
+    labels = [f"{r['workers']} workers" if r["input"] != "in memory" else "in memory" for r in rows]
+    x = list(range(len(rows)))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(x, [r["images_per_second"] for r in rows], color="tab:blue", label="training")
+    decode = [(i, r["decode_images_per_second"]) for i, r in zip(x, rows, strict=True) if r["decode_images_per_second"]]
+    left.plot(
+        [i for i, _ in decode], [v for _, v in decode], "o--", color="tab:orange", label="pipeline alone (decode)"
+    )
+    left.set_xticks(x, labels)
+    left.set_ylabel("images/s")
+    left.legend()
+    colors = ["tab:red" if r["verdict"] == "input-bound" else "tab:green" for r in rows]
+    right.bar(x, [100 * r["input_wait_fraction"] for r in rows], color=colors)
+    right.axhline(100 * INPUT_BOUND, color="grey", linestyle=":", label=f"input-bound above {INPUT_BOUND:.0%}")
+    right.set_xticks(x, labels)
+    right.set_ylabel("devices idle for input (% of training time)")
+    right.legend()
     fig.suptitle(title, y=1.02)
     return _save(fig, path)

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxcnn.config import ModelConfig, OptimConfig, UpdateConfig
-from jaxcnn.data import to_global
+from jaxcnn.data import Feed, process_rows, to_global
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import ParamPlacement
 
@@ -106,3 +106,15 @@ class Program:
         if self.batch_order is not None:
             images, labels = images[self.batch_order], labels[self.batch_order]
         return to_global(images, self.batch_shardings[0]), to_global(labels, self.batch_shardings[1])
+
+    @property
+    def feed(self) -> Feed:
+        """What the loader builds for this program: its batch size, order, and this process's rows."""
+        return Feed(self.batch_size, self.batch_order, process_rows(self.batch_shardings, self.batch_size))
+
+    def place_rows(self, images: np.ndarray, labels: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """This process's rows of a batch (`feed.rows`, already in `batch_order`) as the global arrays."""
+        first = self.feed.rows.start
+        return tuple(
+            to_global(a, s, self.batch_size, first) for a, s in zip((images, labels), self.batch_shardings, strict=True)
+        )

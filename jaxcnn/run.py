@@ -10,6 +10,7 @@ against the layout and every size against its degrees -- as one UserError line.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 
@@ -81,7 +82,9 @@ def train(args) -> dict:
         warnings.warn(note, stacklevel=1)
     results_dir = results.ensure_writable_dir(args.results_dir)
     train_set, test_set = load_data(args, model_config.num_classes)
-    loader = Loader(train_set, augment=augment, workers=args.input_workers, depth=args.prefetch)
+    loader = Loader(
+        train_set, augment=augment, workers=input_workers(args.input_workers, train_set), depth=args.prefetch
+    )
 
     # --- devices and mesh ----------------------------------------------------------------
     host_devices = host_devices_for(mesh_shape, args.host_devices, cli.DEFAULT_SIMULATED_DEVICES)
@@ -134,7 +137,7 @@ def train(args) -> dict:
             checkpointer.close()  # saves in flight finish, even when the run stops on an error
 
     # --- results --------------------------------------------------------------------------
-    record = run_record(args, configs, programs, train_config, outcome, train_set, test_set)
+    record = run_record(args, configs, programs, train_config, outcome, loader, test_set)
     record["wall_seconds"] = time.perf_counter() - started
     if jax.process_index() == 0:
         run_name = args.run_name or f"{model_config.name}-{layout.name}-{format_mesh(mesh_shape).replace(',', '_')}"
@@ -178,11 +181,20 @@ def load_data(args, num_classes: int) -> tuple[Dataset, Dataset]:
         test_set = load_source(args.test_data or BUNDLED_TEST, **source, classes=train_set.classes, need_labels=False)
     else:
         train_set, test_set = split_validation(train_set, args.val_split, args.seed)
+    test_set = test_set.loaded()  # evaluated every epoch: decode an image folder's once
     if test_set.image_shape != train_set.image_shape:
         raise UserError(
             f"test images are {test_set.image_shape}, training images {train_set.image_shape}; use matching files"
         )
     return train_set, test_set
+
+
+def input_workers(flag: int | None, train_set: Dataset) -> int:
+    """--input-workers, or its default: none for data already in memory (gathering rows is
+    cheap), one per core for files decoded every epoch."""
+    if flag is not None:
+        return flag
+    return 0 if train_set.in_memory else os.cpu_count() or 1
 
 
 def _open_checkpoints(args) -> Checkpointer | None:
@@ -230,7 +242,7 @@ def auto_batch(model_config, optim_config, layout, mesh, image_shape, update_con
     return largest_batch(peak, budget, multiple, train_size)
 
 
-def run_record(args, configs, programs, train_config, outcome: FitResult, train_set, test_set) -> dict:
+def run_record(args, configs, programs, train_config, outcome: FitResult, loader: Loader, test_set) -> dict:
     """The result JSON (DESIGN's fields and more)."""
     model_config, optim_config, _, update_config = configs
     program = programs[train_config.batch_size]
@@ -269,7 +281,9 @@ def run_record(args, configs, programs, train_config, outcome: FitResult, train_
         "compile_seconds": program.compile_seconds,
         "train_seconds": outcome.train_seconds,
         "input_wait_fraction": outcome.input_wait_fraction,
-        "data": train_set.source,
+        "input_workers": loader.workers,
+        "input_startup_seconds": outcome.extra["input_startup_seconds"],  # the first batch: workers starting
+        "data": loader.dataset.source,
         "test_data": test_set.source,
         "jax_version": jax.__version__,
         "config": dict(vars(args)),

@@ -11,6 +11,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from jaxcnn.config import ModelConfig  # noqa: E402
 
@@ -33,6 +34,20 @@ def write_digits_csv(path: Path, rows: int = 40, side: int = 8, channels: int = 
         frame.insert(0, "label", np.arange(rows) % 10)
     frame.to_csv(path, index=False)
     return path
+
+
+def write_folder(root: Path, per_class: int = 6, size=(10, 12), classes=("cat", "dog", "owl"), seed=0) -> Path:
+    """PNG and JPEG images of every mode, `size` = (H, W); each class a brightness band."""
+    rng = np.random.default_rng(seed)
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = (rng.random((*size, 4)) * 60 + 80 * c).astype(np.uint8)
+            mode, ext = [("RGB", "png"), ("L", "jpg"), ("RGBA", "png"), ("RGB", "jpeg")][i % 4]
+            channels = {"RGB": 3, "L": 1, "RGBA": 4}[mode]
+            image = Image.fromarray(pixels[..., :channels].squeeze(), mode)
+            image.save(root / name / f"{i:03d}.{ext}")
+    return root
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import REPO, bundled_digits, load_train_module
+from conftest import REPO, bundled_digits, load_train_module, write_folder
 
 from jaxcnn import cli
 from jaxcnn.build import build_program
@@ -32,9 +32,9 @@ def train(tmp_path, name, *flags):
 TINY_CONFIG = ModelConfig(conv_features=(8, 16, 16), dense_features=(32, 16))
 
 
-def final_state(directory, layout="dp", mesh=None, config=TINY_CONFIG):
+def final_state(directory, layout="dp", mesh=None, config=TINY_CONFIG, image_shape=(8, 8, 1)):
     program = build_program(
-        config, OptimConfig(), get_layout(layout), build_mesh(mesh or {"data": 8}), (8, 8, 1), 32, 100,
+        config, OptimConfig(), get_layout(layout), build_mesh(mesh or {"data": 8}), image_shape, 32, 100,
         with_eval=False, with_init=False,
     )  # fmt: skip
     checkpointer = Checkpointer(directory, every=1)
@@ -125,8 +125,13 @@ def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_after_it(tmp_pa
 
 
 def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
-    """SIGKILL mid-training (the default model: ~40 ms a step here), then --resume."""
-    flags = ["--max-steps", "80", "--quiet", "--checkpoint-every", "10", "--results-dir", str(tmp_path)]
+    """SIGKILL mid-training, then --resume: on an image folder decoded and augmented by two
+    grain workers, epochs of 3 steps and checkpoints every 10, so the run stops mid-epoch
+    and the loader must continue at the exact example (its position is in the checkpoint)."""
+    folder = write_folder(tmp_path / "images", per_class=40, size=(12, 10))
+    flags = ["--max-steps", "80", "--quiet", "--checkpoint-every", "10", "--results-dir", str(tmp_path),
+             "--data", str(folder), "--num-classes", "3", "--channels", "3", "--batch-size", "32",
+             "--augment-shift", "1", "--augment-flip", "--input-workers", "2"]  # fmt: skip
     script = [sys.executable, str(REPO / "experiments/train.py")]
     reference = subprocess.run(
         [*script, *flags, "--checkpoint-dir", str(tmp_path / "ref"), "--run-name", "ref"], capture_output=True,
@@ -152,5 +157,8 @@ def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
     assert run["resumed_from_step"] % 10 == 0 and kill_after - 10 <= run["resumed_from_step"] < 80
     assert f"resuming from step {run['resumed_from_step']} " in resumed.stdout
     assert run["loss_history"] == ref["loss_history"]
-    a, b = (final_state(tmp_path / d, config=ModelConfig()) for d in ("ref", "ck"))
+    a, b = (
+        final_state(tmp_path / d, config=ModelConfig(num_classes=3), image_shape=(12, 10, 3)) for d in ("ref", "ck")
+    )
     assert a.step == b.step == 80 and arrays_equal(a.state, b.state)
+    assert a.record["loader"]["next_step"] == b.record["loader"]["next_step"] == 80

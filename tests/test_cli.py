@@ -101,8 +101,8 @@ BAD_INPUT = {
         "--checkpoint-dir does not apply to --layout pipeline yet",
     ),
     "bad flag before a missing file": (
-        ["--input-workers", "0", "--data", "nowhere.csv"],
-        "--input-workers and --prefetch must be >= 1, got 0 and 2",
+        ["--input-workers", "-1", "--data", "nowhere.csv"],
+        "--input-workers must be >= 0 and --prefetch >= 1, got -1 and 2",
     ),
     # training techniques
     "grad-accum zero": (["--grad-accum", "0"], "--grad-accum must be a positive integer"),

@@ -9,7 +9,7 @@ from conftest import REPO, load_script, write_digits_csv
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.data import Loader, Prefetcher, eval_batches, load_csv, parse_image_shape, to_global, train_batches
+from jaxcnn.data import Loader, eval_batches, load_csv, parse_image_shape, to_global, train_batches
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import build_mesh
 
@@ -118,61 +118,128 @@ def test_global_batch_is_sharded_over_data_axis():
     np.testing.assert_array_equal(jax.device_get(array), batch)
 
 
-def test_prefetcher_keeps_order_counts_waiting_and_reraises():
-    def produce(i):
-        if i == 0:
-            time.sleep(0.05)  # a deliberately slow first item: the consumer must wait for it
-        return i * i
+def _steps(batch: int, epochs: int, per_epoch: int, rows: slice | None = None, order=None) -> list:
+    from jaxcnn.data import Feed, Step
 
-    started = time.perf_counter()
-    loader = Prefetcher(produce, count=5, depth=2)
-    assert list(loader) == [0, 1, 4, 9, 16]
-    elapsed = time.perf_counter() - started
-    # the wait for item 0 is counted, and no more than the consumer spent in the loop;
-    # without idle() every wait for an unbuilt item is a stall
-    assert 0.04 <= loader.stall_seconds <= loader.wait_seconds <= elapsed
-    loader.close()
-
-    def broken(i):
-        if i == 2:
-            raise RuntimeError("boom")
-        return i
-
-    with pytest.raises(RuntimeError, match="boom"):
-        list(Prefetcher(broken, count=5))
+    feed = Feed(batch, order, rows or slice(0, batch))
+    return [Step(e, i, feed) for e in range(epochs) for i in range(per_epoch)]
 
 
-def test_prefetcher_workers_keep_order_and_count_the_wait():
-    finished = []
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_gives_each_steps_examples_and_resumes_from_its_saved_position(workers):
+    from jaxcnn.data import Augment, batch_indices, synthetic_dataset
 
-    def slow(i):
-        time.sleep(0.02 * (5 - i))  # deliberately slow, later items faster: they finish first on 4 threads
-        finished.append(i)
-        return i
+    data = synthetic_dataset((6, 6, 1), 40, 10, 0)
+    steps = _steps(8, epochs=3, per_epoch=5)  # prefetch runs across the epoch boundaries
+    loader = Loader(data, augment=Augment(shift=1, flip=True), workers=workers)
+    batches = loader.batches(steps, seed=4)
+    got = [batches.next() for _ in range(7)]
+    position = batches.position()
+    rest = [batches.next() for _ in range(len(steps) - 7)]
+    batches.close()
+    for k, (images, labels) in enumerate(got + rest):
+        epoch, index = divmod(k, 5)
+        examples = batch_indices(40, 8, epoch, 4)[index]
+        np.testing.assert_array_equal(labels, data.labels[examples])
+        draws = Augment(shift=1, flip=True).draws(4, epoch, index, 8)
+        np.testing.assert_array_equal(images, Augment(shift=1, flip=True).apply(data.images[examples], draws))
+    resumed = loader.batches(steps, seed=4, first_step=7, position=position)  # a restored run's loader
+    again = [resumed.next() for _ in range(len(steps) - 7)]
+    resumed.close()
+    for (a, b), (c, d) in zip(rest, again, strict=True):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
 
-    started = time.perf_counter()
-    loader = Prefetcher(slow, count=5, depth=4, workers=4)
-    assert list(loader) == [0, 1, 2, 3, 4]
-    elapsed = time.perf_counter() - started
-    assert finished.index(3) < finished.index(0)  # built out of order, yielded in order
-    assert 0.05 <= loader.wait_seconds <= elapsed  # the consumer really waited for item 0 (0.1 s)
-    loader.close()
+
+def test_each_process_builds_only_its_rows_of_the_same_global_batch():
+    """Two processes' rows (in the program's batch order) put together are the one
+    process's batch: augmentation draws too, so the global batch does not depend on the
+    process count."""
+    from jaxcnn.data import Augment, synthetic_dataset
+
+    data = synthetic_dataset((5, 5, 1), 48, 10, 1)
+    order = np.random.default_rng(0).permutation(16)  # e.g. gradient accumulation's
+    loader = Loader(data, augment=Augment(shift=2, flip=True))
+
+    def first_batches(rows):
+        batches = loader.batches(_steps(16, 1, 3, rows, order), seed=9)
+        got = [batches.next() for _ in range(3)]
+        batches.close()
+        return got
+
+    whole, first, second = first_batches(slice(0, 16)), first_batches(slice(0, 8)), first_batches(slice(8, 16))
+    for (images, labels), (a, la), (b, lb) in zip(whole, first, second, strict=True):
+        assert len(a) == len(b) == 8
+        np.testing.assert_array_equal(images, np.concatenate([a, b]))
+        np.testing.assert_array_equal(labels, np.concatenate([la, lb]))
+
+
+class _Device:
+    """A step's outputs that finish `seconds` after they are dispatched."""
+
+    def __init__(self, seconds: float):
+        self.done_at = time.perf_counter() + seconds
+
+    def block_until_ready(self):
+        time.sleep(max(0.0, self.done_at - time.perf_counter()))
+        return self
+
+
+class _SlowIterator:
+    """A grain iterator stand-in: each batch takes `seconds` to arrive."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.step = seconds, 0
+
+    def __next__(self):
+        time.sleep(self.seconds)
+        self.step += 1
+        return self.step - 1, np.zeros(1), np.zeros(1)
+
+    def get_state(self):
+        return {"next_index": self.step}
+
+    def close(self):
+        pass
+
+
+def test_a_wait_for_input_counts_as_a_stall_only_once_the_devices_have_finished():
+    from jaxcnn.data import Batches
+
+    batches = Batches(_SlowIterator(0.2), workers=0, first_step=0)
+    batches.next()  # the pipeline starting: not a stall
+    assert batches.startup_seconds >= 0.2
+    batches.dispatched(_Device(0.5))  # a step longer than the wait: the devices never idle
+    batches.next()
+    assert batches.take_stall_seconds() < 0.05
+    batches.dispatched(_Device(0.1))  # a step shorter than the wait by 0.1 s: that is the stall
+    batches.next()
+    stall = batches.take_stall_seconds()
+    assert 0.07 <= stall <= 0.15, stall
+    assert batches.wait_seconds >= 0.4  # the host waited through both; only the idle part stalls
+    assert batches.position()["next_step"] == 3
+    batches.close()
 
 
 def test_augmentation_shifts_and_flips_deterministically():
     from jaxcnn.data import Augment
 
     images = np.arange(2 * 6 * 6, dtype=np.float32).reshape(2, 6, 6, 1) + 1
-    assert Augment()(images, 0, 0, 0) is images  # off: untouched
-    shifted = Augment(shift=2)(images, 0, 0, 0)
+
+    def augmented(augment, index=0):
+        return augment.apply(images, augment.draws(0, 0, index, len(images)))
+
+    assert not Augment().active
+    np.testing.assert_array_equal(augmented(Augment()), images)  # nothing drawn: untouched
+    shifted = augmented(Augment(shift=2))
     assert shifted.shape == images.shape and not np.array_equal(shifted, images)
-    np.testing.assert_array_equal(shifted, Augment(shift=2)(images, 0, 0, 0))  # same batch, same draws
-    assert not np.array_equal(shifted, Augment(shift=2)(images, 0, 0, 1))  # the next batch, new draws
+    np.testing.assert_array_equal(shifted, augmented(Augment(shift=2)))  # same batch, same draws
+    assert not np.array_equal(shifted, augmented(Augment(shift=2), index=1))  # the next batch, new draws
     for original, moved in zip(images[..., 0], shifted[..., 0], strict=True):
         # a translation: every kept pixel is an original one, the rest is zero fill
         kept = moved[moved > 0]
         assert set(kept.tolist()) <= set(original.ravel().tolist()) and len(kept) >= 4 * 4
-    flipped = Augment(flip=True)(images, 0, 0, 0)
+    flipped = augmented(Augment(flip=True))
     for original, out in zip(images, flipped, strict=True):
         assert np.array_equal(out, original) or np.array_equal(out, original[:, ::-1])
     with pytest.raises(UserError, match="--augment-shift must be >= 0"):
@@ -200,19 +267,19 @@ def timed_program():
 
 
 def _run(timed_program, delay: float):
-    """fit with a loader that takes `delay` seconds a batch (one worker: one batch every
+    """fit with a loader that takes `delay` seconds a batch (one thread: one batch every
     delay, at most 2 ahead): experiments/input_wait.py's deliberately slow loader."""
     from jaxcnn.config import TrainConfig
     from jaxcnn.fit import fit
 
     program, data = timed_program
     config = TrainConfig(batch_size=IDLE_BATCH, epochs=1, max_steps=IDLE_STEPS)
-    loader = Loader(data, augment=load_script("input_wait").DelayedLoader(delay), workers=1, depth=2)
+    loader = Loader(data, augment=load_script("input_wait").DelayedLoader(delay), workers=0, depth=2)
     return fit(program, program.init(), loader, None, config, progress=False)
 
 
 def _with_loader(timed_program, delay_in_steps: float):
-    """(the step time s, a fit whose loader takes `delay_in_steps` x s a batch -- one worker:
+    """(the step time s, a fit whose loader takes `delay_in_steps` x s a batch -- one thread:
     one batch every delay). s is the median of 10 steps, each waited for, measured before
     and after the fit (their mean: the machine's load moves it)."""
     import statistics
@@ -259,32 +326,3 @@ def test_a_loader_faster_than_the_step_idles_the_devices_about_never(timed_progr
     assert not verdict(rows).startswith("input-bound")
     slow = _run(timed_program, 0.01)
     np.testing.assert_allclose(slow.loss_history, fast.loss_history)  # the same batches, only later
-
-
-def test_prefetcher_lets_the_devices_catch_up_before_it_times_a_stall():
-    import concurrent.futures
-    import threading
-
-    built_after_idle, calls = threading.Event(), []
-
-    def produce(i):
-        if i == 0:
-            assert built_after_idle.wait(timeout=30)  # item 0 exists only once idle() has run
-        return i
-
-    def idle():  # the devices finishing 0.2 s of dispatched work
-        calls.append(len(calls))
-        time.sleep(0.2)
-        built_after_idle.set()
-
-    loader = Prefetcher(produce, count=1, depth=1, idle=idle)
-    assert list(loader) == [0] and calls == [0]  # not ready: idle() first, then the (short) stall
-    assert loader.wait_seconds >= 0.2  # the host waited through the devices' work ...
-    assert loader.stall_seconds < 0.1  # ... which is not a stall: only the wait after it is
-    loader.close()
-
-    ready = Prefetcher(lambda i: i, count=2, depth=2, idle=idle)
-    concurrent.futures.wait(list(ready._pending))  # both items built before they are asked for
-    assert list(ready) == [0, 1] and calls == [0]  # ready: no idle(), nothing stalled
-    assert ready.stall_seconds == 0
-    ready.close()

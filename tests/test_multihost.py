@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, write_folder
 
 from jaxcnn.distributed import HEARTBEAT_TIMEOUT_S
 
@@ -27,9 +27,17 @@ def run(args, timeout=300):
     return proc
 
 
-@pytest.mark.parametrize("layout_flags", [["--mesh", "data=4"], ["--layout", "hybrid", "--mesh", "data=2,model=2"]],
-                         ids=["dp", "hybrid"])  # fmt: skip
+FOLDER = ["--image-size", "12x10", "--num-classes", "3", "--augment-shift", "1", "--augment-flip", "--input-workers", "1",
+          "--epochs", "3"]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout_flags", [["--mesh", "data=4"], ["--layout", "hybrid", "--mesh", "data=2,model=2"],
+                                          ["--mesh", "data=4", *FOLDER]], ids=["dp", "hybrid", "image-folder"])  # fmt: skip
 def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path, layout_flags):
+    """The global batches do not depend on the process count: each process decodes and
+    augments only its rows of each (image folder: in a grain worker process)."""
+    if "--image-size" in layout_flags:
+        layout_flags = ["--data", write_folder(tmp_path / "images", per_class=40), *layout_flags]
     run([TRAIN, *TINY, *layout_flags, "--host-devices", "4", "--results-dir", tmp_path / "one", "--run-name", "r"])
     out = run([LAUNCH, "--num-processes", "2", "--devices-per-process", "2", "--",
                *TINY, *layout_flags, "--results-dir", tmp_path / "two", "--run-name", "r"]).stdout  # fmt: skip

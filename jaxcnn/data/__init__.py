@@ -1,15 +1,19 @@
 """Data: where images come from (sources: CSV, synthetic; datasets: standard ones by
-name, read from IDX files) and how they become the step's sharded batches (loader)."""
+name, read from IDX files; folders: your own images, decoded when used) and how they
+become the step's sharded batches (loader: a grain pipeline)."""
 
 from jaxcnn.data.datasets import DATASETS, load_named, load_source
-from jaxcnn.data.folders import load_image_folder, split_validation
+from jaxcnn.data.folders import ImageFiles, load_image_folder, split_validation
 from jaxcnn.data.loader import (
     Augment,
+    Batches,
+    Feed,
     Loader,
-    Prefetcher,
+    Step,
     batch_indices,
     epoch_order,
     eval_batches,
+    process_rows,
     to_global,
     train_batches,
 )
@@ -18,9 +22,12 @@ from jaxcnn.data.sources import Dataset, image_shape_for, load_csv, parse_image_
 __all__ = [
     "DATASETS",
     "Augment",
+    "Batches",
     "Dataset",
+    "Feed",
+    "ImageFiles",
     "Loader",
-    "Prefetcher",
+    "Step",
     "batch_indices",
     "epoch_order",
     "eval_batches",
@@ -30,6 +37,7 @@ __all__ = [
     "load_named",
     "load_source",
     "parse_image_shape",
+    "process_rows",
     "split_validation",
     "synthetic_dataset",
     "to_global",

@@ -3,17 +3,21 @@ convention), PNG or JPEG, any size and mode.
 
     data/train/cat/0001.jpg, data/train/dog/0001.png, ...   ->  label 0 = cat, 1 = dog
 
-Images are decoded once, on a thread pool (Pillow releases the GIL while decoding),
+Loading reads only each file's header (format and size); the pixels are decoded when a
+batch needs them (`ImageFiles`), in the input pipeline's worker processes -- so a folder
+larger than memory trains, and decoding is the input cost it really is. Each image is
 converted to `channels` (1: grey, 3: RGB, 4: RGBA) and resized to `image_size` (H, W;
 bilinear) when given; without it every image must already share one size. A file that
-cannot be decoded stops the load, naming it: a damaged training set should be fixed, not
-silently shrunk. With no test folder, `split_validation` holds out a stratified fraction.
+cannot be decoded stops the run, naming it (at load if its header is broken, at its first
+batch otherwise): a damaged training set should be fixed, not silently shrunk. With no
+test folder, `split_validation` holds out a stratified fraction.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +28,7 @@ from jaxcnn.errors import UserError
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
 MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+_DECODE_ERRORS = (UnidentifiedImageError, OSError, SyntaxError, ValueError)
 
 
 def class_folders(root: Path) -> list[Path]:
@@ -40,22 +45,71 @@ def _images_in(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.suffix.lower() in EXTENSIONS and p.is_file())
 
 
-def _decode(path: Path, channels: int, image_size: tuple[int, int] | None) -> np.ndarray:
+def _header_size(path: Path) -> tuple[int, int]:
+    """(H, W) from the file's header, without decoding its pixels."""
+    try:
+        with Image.open(path) as image:
+            return image.size[1], image.size[0]
+    except _DECODE_ERRORS as err:
+        raise UserError(f"image {path} cannot be decoded ({err}); fix or remove it") from None
+
+
+def _decode(path: str, channels: int, image_size: tuple[int, int]) -> np.ndarray:
     try:
         with Image.open(path) as image:
             image = image.convert(MODES[channels])
-            if image_size is not None and image.size != image_size[::-1]:
+            if image.size != image_size[::-1]:
                 image = image.resize(image_size[::-1], Image.Resampling.BILINEAR)
-            return np.asarray(image, dtype=np.uint8).reshape(image.size[1], image.size[0], channels)
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+            return np.asarray(image, dtype=np.uint8).reshape(*image_size, channels)
+    except _DECODE_ERRORS as err:
         raise UserError(f"image {path} cannot be decoded ({err}); fix or remove it") from None
+
+
+@dataclass(frozen=True)
+class ImageFiles:
+    """Images on disk that index like a float32 [N, H, W, C] array in [0, 1]: `files[idx]`
+    decodes just those files. Small and picklable, so the input pipeline's worker
+    processes each get a copy and decode their own batches."""
+
+    paths: tuple[str, ...]
+    channels: int
+    image_size: tuple[int, int]  # every image is decoded at this (H, W)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (len(self.paths), *self.image_size, self.channels)
+
+    dtype = np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index) -> np.ndarray:
+        rows = np.arange(len(self.paths))[index]
+        if np.ndim(rows) == 0:
+            return self[np.asarray([rows])][0]
+        decoded = [_decode(self.paths[i], self.channels, self.image_size) for i in rows]
+        return np.stack(decoded).astype(np.float32) / 255.0 if decoded else np.zeros((0, *self.shape[1:]), np.float32)
+
+    def subset(self, index) -> ImageFiles:
+        """The files at `index` (indices or a boolean mask), still on disk."""
+        return ImageFiles(
+            tuple(self.paths[i] for i in np.arange(len(self.paths))[index]), self.channels, self.image_size
+        )
+
+    def decode_all(self) -> np.ndarray:
+        """Every image decoded at once, on a thread pool (Pillow releases the GIL)."""
+        chunks = np.array_split(np.arange(len(self.paths)), max(1, len(self.paths) // 256))
+        with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            return np.concatenate(list(pool.map(self.__getitem__, chunks)))
 
 
 def load_image_folder(
     root: str | Path, *, channels: int = 3, image_size: tuple[int, int] | None = None, classes: list[str] | None = None
 ) -> Dataset:
-    """The folder's images as a Dataset in [0, 1]. `classes` (a training folder's class
-    names, for its test folder) fixes the labels; a class it lacks is an error."""
+    """The folder's images as a Dataset of `ImageFiles` (decoded when used). `classes` (a
+    training folder's class names, for its test folder) fixes the labels; a class it lacks
+    is an error."""
     if channels not in MODES:
         raise UserError(f"--channels {channels} does not apply to images; use 1 (grey), 3 (RGB) or 4 (RGBA)")
     root = Path(root)
@@ -74,18 +128,40 @@ def load_image_folder(
         files += found
         labels += [names.index(folder.name)] * len(found)
     with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        images = list(pool.map(lambda p: _decode(p, channels, image_size), files))
+        sizes_found = list(pool.map(_header_size, files))
     sizes: dict[tuple[int, int], Path] = {}  # each size and the first image of it
-    for image, path in zip(images, files, strict=True):
-        sizes.setdefault(image.shape[:2], path)
-    if len(sizes) > 1:
+    for size, path in zip(sizes_found, files, strict=True):
+        sizes.setdefault(size, path)
+    if image_size is None and len(sizes) > 1:
         (a, path_a), (b, path_b) = list(sizes.items())[:2]
         raise UserError(
             f"images differ in size ({path_a} is {a[0]}x{a[1]}, {path_b} is {b[0]}x{b[1]}); "
             "pass --image-size HxW to resize them all"
         )
-    pixels = np.stack(images).astype(np.float32) / 255.0
-    return Dataset(pixels, np.asarray(labels, np.int32), str(root), classes=tuple(names))
+    images = ImageFiles(tuple(map(str, files)), channels, image_size or next(iter(sizes)))
+    return Dataset(images, np.asarray(labels, np.int32), str(root), classes=tuple(names))
+
+
+def write_image_folder(
+    dataset: Dataset, root: str | Path, *, size: tuple[int, int] | None = None, channels: int = 3, quality: int = 90
+) -> Path:
+    """`dataset` as an image folder of JPEGs (a subfolder per class), each image resized to
+    `size` (H, W) and converted to `channels`: real files to decode, for measuring an input
+    pipeline. `root` must not exist yet (nothing is overwritten)."""
+    root = Path(root)
+    if root.exists():
+        raise UserError(f"{root} already exists; give a new folder to write the images into")
+    names = dataset.classes or tuple(str(label) for label in range(int(dataset.labels.max()) + 1))
+    for name in names:
+        (root / name).mkdir(parents=True)
+    pixels = dataset.images if dataset.in_memory else dataset.images[:]
+    for i, (image, label) in enumerate(zip(pixels, dataset.labels, strict=True)):
+        values = np.round(image * 255).astype(np.uint8)
+        picture = Image.fromarray(values[..., 0] if values.shape[-1] == 1 else values).convert(MODES[channels])
+        if size is not None:
+            picture = picture.resize(size[::-1], Image.Resampling.BILINEAR)
+        picture.save(root / names[label] / f"{i:06d}.jpg", quality=quality)
+    return root
 
 
 def split_validation(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -104,7 +180,7 @@ def split_validation(dataset: Dataset, fraction: float, seed: int) -> tuple[Data
     mask[held] = True
 
     def part(keep, what):
-        return Dataset(dataset.images[keep], dataset.labels[keep], f"{dataset.source} ({what})", dataset.classes)
+        return dataset.subset(keep, f"{dataset.source} ({what})")
 
     return part(~mask, f"{1 - fraction:.0%} for training"), part(mask, f"{fraction:.0%} held out")
 

@@ -1,20 +1,24 @@
-"""Batch assembly: each epoch's order, gather, augmentation, placement with the step's
-sharding, and prefetch on worker threads -- the `Loader` the fit loop draws batches from.
+"""The input pipeline: each step's examples, read (decoded), augmented and prefetched on
+grain's workers -- the `Loader` the fit loop draws batches from -- and placed with the
+step's sharding.
 
-Every process computes the same global batch order and hands JAX only the rows its own
-devices own (`to_global`), so multi-host input needs no other code.
+Every process computes the same global batch order and builds only the rows its own
+devices own (`Feed.rows`, `to_global`), so multi-host input needs no other code and the
+global batches are the same for any number of processes.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
+import queue
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grain
 import jax
 import numpy as np
+from absl import flags
 from jax.sharding import NamedSharding
 
 from jaxcnn.data.sources import Dataset
@@ -41,9 +45,11 @@ def batch_indices(size: int, batch_size: int, epoch: int, seed: int) -> list[np.
 
 @dataclass(frozen=True)
 class Augment:
-    """Host-side augmentation of a training batch: random shifts of up to `shift` pixels
-    each way (zero fill) and, with `flip`, random horizontal flips. Batch i of epoch e
-    always gets the same draws (seeded by (seed, e, i)), whatever thread builds it."""
+    """Host-side augmentation of training images: random shifts of up to `shift` pixels
+    each way (zero fill) and, with `flip`, random horizontal flips. The draws for batch i
+    of epoch e are made for the whole global batch, seeded by (seed, e, i), and each
+    process applies its own rows' draws: the same images whatever builds them, on however
+    many processes."""
 
     shift: int = 0
     flip: bool = False
@@ -56,22 +62,24 @@ class Augment:
     def active(self) -> bool:
         return self.shift > 0 or self.flip
 
-    def __call__(self, images_BHWC: np.ndarray, seed: int, epoch: int, index: int) -> np.ndarray:
-        if not self.active:
-            return images_BHWC
+    def draws(self, seed: int, epoch: int, index: int, size: int) -> np.ndarray:
+        """[size, 3] ints: (row shift, column shift, flip) for each example of the batch."""
         rng = np.random.default_rng([seed, epoch, index, 7])
+        dy, dx = rng.integers(0, 2 * self.shift + 1, size=(2, size)) if self.shift else np.zeros((2, size), int)
+        flip = rng.random(size) < 0.5 if self.flip else np.zeros(size, bool)
+        return np.stack([dy, dx, flip], axis=1)
+
+    def apply(self, images_BHWC: np.ndarray, draws: np.ndarray) -> np.ndarray:
         b, h, w, _ = images_BHWC.shape
         out = images_BHWC
         if self.shift:
             s = self.shift
             padded = np.pad(images_BHWC, ((0, 0), (s, s), (s, s), (0, 0)))
-            dy, dx = rng.integers(0, 2 * s + 1, size=(2, b))
-            rows = dy[:, None] + np.arange(h)[None, :]  # [B, H]
-            cols = dx[:, None] + np.arange(w)[None, :]  # [B, W]
+            rows = draws[:, 0, None] + np.arange(h)[None, :]  # [B, H]
+            cols = draws[:, 1, None] + np.arange(w)[None, :]  # [B, W]
             out = padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
         if self.flip:
-            flip = rng.random(b) < 0.5
-            out = np.where(flip[:, None, None, None], out[:, :, ::-1], out)
+            out = np.where(draws[:, 2, None, None, None] > 0, out[:, :, ::-1], out)
         return np.ascontiguousarray(out, dtype=images_BHWC.dtype)
 
 
@@ -89,102 +97,161 @@ def eval_batches(dataset: Dataset, batch_size: int) -> Iterator[tuple[np.ndarray
         yield images, batch_labels, mask
 
 
-def to_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A global sharded array from the host's copy, sending each process only its rows.
+def process_rows(shardings, batch_size: int) -> slice:
+    """The rows of a global batch this process's devices hold under `shardings` (the
+    images' and the labels' may differ: a pipeline's first and last stage)."""
+    starts, stops = [], []
+    for sharding in shardings:
+        for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+            starts.append(index[0].start or 0)
+            stops.append(batch_size if index[0].stop is None else index[0].stop)
+    return slice(min(starts), max(stops)) if starts else slice(0, 0)
 
-    Every process holds the same global batch order; it hands JAX just the rows its own
-    devices own (one process: all of them), so multi-host input needs no other code.
+
+def to_global(
+    array: np.ndarray, sharding: NamedSharding, global_rows: int | None = None, first_row: int = 0
+) -> jax.Array:
+    """A global sharded array from this process's rows of it.
+
+    `array` holds rows first_row .. first_row + len(array) of a global array of
+    `global_rows` rows (None: `array` is the whole global array); each process hands JAX
+    just the rows its own devices own, so multi-host input needs no other code.
     """
-    index_map = sharding.addressable_devices_indices_map(array.shape)
-    starts = [idx[0].start or 0 for idx in index_map.values()]
-    stops = [array.shape[0] if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
-    local = array[min(starts) : max(stops)]
-    return jax.make_array_from_process_local_data(sharding, local, array.shape)
+    global_shape = (global_rows or len(array), *array.shape[1:])
+    rows = process_rows([sharding], global_shape[0])
+    local = array[rows.start - first_row : rows.stop - first_row]
+    return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
 
-def check_input_options(workers: int, depth: int) -> None:
-    if workers < 1 or depth < 1:
-        raise UserError(f"--input-workers and --prefetch must be >= 1, got {workers} and {depth}")
+def check_input_options(workers: int | None, depth: int) -> None:
+    if (workers is not None and workers < 0) or depth < 1:
+        raise UserError(f"--input-workers must be >= 0 and --prefetch >= 1, got {workers} and {depth}")
 
 
-class Prefetcher:
-    """Builds `produce(i)` for i in range(count) ahead of the consumer on `workers` threads,
-    at most `depth` batches ahead, and yields them in order.
+@dataclass(frozen=True)
+class Feed:
+    """How one program takes its batches: the global batch size, the order it wants the
+    examples in (None: as drawn), and the rows of it this process builds."""
 
-    Two clocks. `wait_seconds`: all the time the consumer blocked in here, `idle()`
-    included. `stall_seconds`: the part of it after `idle()` returned -- give `idle` a
-    function that blocks until the devices have finished the work already dispatched (the
-    fit loop blocks on the last step's outputs); a wait after it is time the devices sit
-    with nothing to do for want of input: the stall `input_wait_fraction` reports. (The
-    host's wait for a batch while a dispatched step still computes costs nothing; before
-    issue 15 it was counted.) `idle` runs only when the next item is not built yet, so a
-    loader that keeps ahead costs nothing and keeps async dispatch's queue intact. Without
-    `idle` the two clocks are equal.
-    (Threads suffice: numpy's indexing and arithmetic and JAX's host-to-device copies
-    release the GIL.)
+    batch_size: int
+    order: np.ndarray | None
+    rows: slice
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step's place in the run: its epoch and batch index there, and its feed."""
+
+    epoch: int
+    index: int
+    feed: Feed
+
+
+class BuildBatch(grain.transforms.Map):
+    """Step number -> (step, this process's images, its labels): draws the global batch's
+    examples from (seed, epoch), keeps this process's rows, then reads (an image folder:
+    decodes) and augments just those. Runs in grain's workers; picklable."""
+
+    def __init__(self, dataset: Dataset, augment: Augment | None, seed: int, steps: list[Step]):
+        self.dataset, self.augment, self.seed, self.steps = dataset, augment, seed, steps
+
+    def map(self, step: int):
+        where = self.steps[step]
+        feed = where.feed
+        examples = batch_indices(len(self.dataset), feed.batch_size, where.epoch, self.seed)[where.index]
+        draws = None
+        if self.augment is not None and self.augment.active:
+            draws = self.augment.draws(self.seed, where.epoch, where.index, feed.batch_size)
+        if feed.order is not None:
+            examples = examples[feed.order]
+            draws = None if draws is None else draws[feed.order]
+        examples = examples[feed.rows]
+        images = self.dataset.images[examples]
+        if draws is not None:
+            images = self.augment.apply(images, draws[feed.rows])
+        return step, images, self.dataset.labels[examples]
+
+
+class Batches:
+    """The run's training batches, in step order, from one grain iterator that spans every
+    epoch (so prefetch crosses epoch boundaries). `next()` gives this process's rows of the
+    next global batch; `position()` is the loader's state for a checkpoint.
+
+    The input stall: the part of each wait in `next()` during which the devices had nothing
+    left to run. Tell it each step's outputs (`dispatched`); a watcher thread notes when
+    each finishes, so a wait that overlaps a running step costs nothing and only the rest of
+    it counts -- the idle time `input_wait_fraction` reports. The first wait is the
+    pipeline starting (its worker processes too): `startup_seconds`, not a stall.
     """
 
-    def __init__(
-        self,
-        produce: Callable[[int], object],
-        count: int,
-        depth: int = 2,
-        workers: int = 1,
-        idle: Callable[[], object] | None = None,
-    ):
-        check_input_options(workers, depth)
+    def __init__(self, iterator, workers: int, first_step: int):
+        self._iterator, self._workers, self._next_step = iterator, workers, first_step
+        self._waits: list[tuple[int, float, float]] = []  # (steps dispatched before it, start, end)
+        self._finished: dict[int, float] = {}  # step count -> when that many had finished
+        self._dispatched = 0
+        self._watch: queue.Queue = queue.Queue()
+        self._watcher = threading.Thread(target=self._note_finishes, name="jaxcnn-device-clock", daemon=True)
+        self._watcher.start()
         self.wait_seconds = 0.0
-        self.stall_seconds = 0.0
-        self._produce, self._count, self._depth, self._idle = produce, count, depth, idle
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxcnn-input")
-        self._pending: collections.deque = collections.deque()
-        self._next = 0
-        self._top_up()
+        self.startup_seconds: float | None = None
 
-    def _top_up(self):
-        while self._next < self._count and len(self._pending) < self._depth:
-            self._pending.append(self._pool.submit(self._produce, self._next))
-            self._next += 1
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        start = time.perf_counter()
+        step, images, labels = next(self._iterator)
+        end = time.perf_counter()
+        if step != self._next_step:  # a restored loader must stand exactly where its run stopped
+            raise RuntimeError(f"the loader gave step {step} where step {self._next_step} was due")
+        self._next_step += 1
+        if self.startup_seconds is None:
+            self.startup_seconds = end - start
+        else:
+            self._waits.append((self._dispatched, start, end))
+            self.wait_seconds += end - start
+        return images, labels
 
-    def __iter__(self):
-        while self._pending:
-            future = self._pending.popleft()
-            start = time.perf_counter()
-            ready = future.done()
-            if not ready and self._idle is not None:
-                self._idle()  # the devices catch up first: only what is left of the wait idles them
-            caught_up = time.perf_counter()
-            try:
-                item = future.result()  # re-raises a worker's error here
-            finally:
-                end = time.perf_counter()
-                self.wait_seconds += end - start
-                if not ready:
-                    self.stall_seconds += end - caught_up
-            self._top_up()
-            yield item
+    def dispatched(self, outputs) -> None:
+        """`outputs` of the step just dispatched (any of its arrays)."""
+        self._dispatched += 1
+        self._watch.put((self._dispatched, outputs))
 
-    def close(self):
-        for future in self._pending:
-            future.cancel()
-        self._pending.clear()
-        self._pool.shutdown(wait=True)
+    def _note_finishes(self) -> None:
+        while (item := self._watch.get()) is not None:
+            count, outputs = item
+            jax.block_until_ready(outputs)
+            self._finished[count] = time.perf_counter()
+            self._watch.task_done()
+        self._watch.task_done()
 
+    def take_stall_seconds(self) -> float:
+        """The stall since the last call (waits until every dispatched step has finished)."""
+        self._watch.join()
+        stall = 0.0
+        for count, start, end in self._waits:
+            stall += max(0.0, end - max(start, self._finished[count]))
+        self._waits.clear()
+        return stall
 
-Placer = Callable[[np.ndarray, np.ndarray], tuple[jax.Array, jax.Array]]
+    def position(self) -> dict:
+        """Where the loader stands, to save with a checkpoint (JSON)."""
+        return {"next_step": self._next_step, "workers": self._workers, "grain": self._iterator.get_state()}
+
+    def close(self) -> None:
+        self._watch.put(None)
+        self._watcher.join()
+        self._iterator.close()
 
 
 @dataclass
 class Loader:
-    """Training batches of `dataset`: batch i of an epoch gathered, augmented and placed
-    on a worker thread (`workers` of them, at most `depth` batches ahead of the step).
-
-    The order depends only on (seed, epoch), so every process, every layout and a resumed
-    run see the same batches (`batch_indices`)."""
+    """Training batches of `dataset` through a grain pipeline: each step's examples drawn
+    from (seed, epoch) -- the same on every process, layout and resumed run -- then read,
+    decoded and augmented on `workers` grain worker processes (0: one thread of this
+    process, enough for data already in memory), at most `depth` batches ahead of the step
+    on each."""
 
     dataset: Dataset
     augment: Augment | None = None
-    workers: int = 2
+    workers: int = 0
     depth: int = 2
 
     def __post_init__(self):
@@ -193,20 +260,31 @@ class Loader:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def epoch(
-        self, epoch: int, batch_size: int, seed: int, place: Placer, start: int = 0, count: int | None = None,
-        idle: Callable[[], object] | None = None,
-    ) -> Prefetcher:  # fmt: skip
-        """Batches start .. start+count-1 of `epoch` (count None: to the epoch's end), each
-        placed by `place(images, labels)`; `idle` as in Prefetcher."""
-        indices = batch_indices(len(self.dataset), batch_size, epoch, seed)
-        count = len(indices) - start if count is None else count
+    def batches(self, steps: list[Step], seed: int, first_step: int = 0, position: dict | None = None) -> Batches:
+        """Steps `first_step` .. len(steps) - 1; `position` (a checkpoint's) restores the
+        grain iterator itself where it was saved with the same worker count."""
+        _accept_grain_defaults()
+        source = grain.MapDataset.range(len(steps)).map(BuildBatch(self.dataset, self.augment, seed, steps))
+        same_workers = position is not None and position.get("workers") == self.workers
+        if not same_workers:
+            source = source[first_step:]
+        pipeline = source.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=self.depth))
+        if self.workers:
+            # Batches come back pickled, not in shared memory: grain can leave a shared-memory
+            # block behind when its iterator closes (a warning at exit), and a copy is cheap.
+            pipeline = grain.experimental.WithOptionsIterDataset(
+                pipeline, grain.experimental.DatasetOptions(min_shm_size=1 << 62)
+            )
+            pipeline = pipeline.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=self.depth)
+            )
+        iterator = iter(pipeline)
+        if same_workers:
+            iterator.set_state(position["grain"])
+        return Batches(iterator, self.workers, first_step)
 
-        def produce(i: int):
-            idx = indices[start + i]
-            images = self.dataset.images[idx]
-            if self.augment is not None:
-                images = self.augment(images, seed, epoch, start + i)
-            return place(images, self.dataset.labels[idx])
 
-        return Prefetcher(produce, count, depth=self.depth, workers=self.workers, idle=idle)
+def _accept_grain_defaults() -> None:
+    """grain reads absl flags; a program that never parsed them (this one) takes their defaults."""
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()

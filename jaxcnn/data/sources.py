@@ -24,7 +24,10 @@ LABEL = "label"
 
 @dataclass(frozen=True)
 class Dataset:
-    images: np.ndarray  # float32 [N, H, W, C] in [0, 1]
+    """Images and labels. `images` is a float32 [N, H, W, C] array in [0, 1], or anything
+    that indexes like one (an image folder's `ImageFiles`, decoded when indexed)."""
+
+    images: np.ndarray  # or folders.ImageFiles
     labels: np.ndarray | None  # int32 [N], None for a label-free test file
     source: str
     classes: tuple[str, ...] | None = None  # an image folder's class names, label order
@@ -33,8 +36,22 @@ class Dataset:
     def image_shape(self) -> tuple[int, int, int]:
         return tuple(self.images.shape[1:])
 
+    @property
+    def in_memory(self) -> bool:
+        return isinstance(self.images, np.ndarray)
+
     def __len__(self) -> int:
         return len(self.images)
+
+    def subset(self, index, source: str | None = None) -> Dataset:
+        """The examples at `index` (indices or a boolean mask); files stay on disk."""
+        images = self.images[index] if self.in_memory else self.images.subset(index)
+        labels = None if self.labels is None else self.labels[index]
+        return Dataset(images, labels, source or self.source, self.classes)
+
+    def loaded(self) -> Dataset:
+        """The same examples with every image decoded into memory (a test set, read every epoch)."""
+        return self if self.in_memory else Dataset(self.images.decode_all(), self.labels, self.source, self.classes)
 
 
 def _read_frame(path: Path) -> pd.DataFrame:
