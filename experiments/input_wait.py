@@ -8,10 +8,9 @@ For each delay d and the measured step time s it prints the steady-state expecta
 max(d - s, 0) / max(d, s) -- a loader faster than the step idles nothing, a slower one
 idles the devices d - s of every d -- next to `input_wait_fraction` (the wait left after
 the devices have run every dispatched step: jaxcnn.data.Batches), and the throughput
-next to its bound, batch / max(d, s). The first batch of the run is a stall of d, so with
-N steps the measured figure sits up to about 1/N above the steady-state expectation; a
-step that starts from idle devices also pays the dispatch (~1 ms here), which is not
-counted as waiting for input.
+next to its bound, batch / max(d, s). The wait for the run's first batch is the pipeline
+starting and is not counted; a step that starts from idle devices also pays the dispatch
+(~1 ms here), which is not counted as waiting for input.
 """
 
 from __future__ import annotations

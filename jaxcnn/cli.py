@@ -99,6 +99,10 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--dataset", default="digits", help="digits (the CSVs below; default), fashion-mnist or mnist")
     g.add_argument("--data-dir", help="where --dataset's files are (default: the cache, then /usr/share/datasets)")
+    g.add_argument(
+        "--download", action="store_true",
+        help="fetch --dataset's files from their canonical source into --data-dir or the cache when not found",
+    )  # fmt: skip
     g.add_argument("--data", help="training CSV (label, pixel0..) or image folder (a subfolder per class); "
                    "default: the bundled digits")  # fmt: skip
     g.add_argument("--test-data", help="test CSV or image folder; a CSV without labels -> submission.csv; default: "
@@ -280,7 +284,7 @@ def data_from_flags(args, num_classes: int):
     if args.synthetic:
         return parse_image_shape(args.synthetic), None
     if getattr(args, "dataset", "digits") != "digits":
-        data = load_named(args.dataset, args.data_dir)[0]
+        data = load_named(args.dataset, args.data_dir, args.download)[0]
     else:
         data = load_source(args.data, channels=args.channels, num_classes=num_classes, image_size=args.image_size)
     return data.image_shape, data.loaded()

@@ -145,7 +145,7 @@ def fit(
         mininterval=0.1 if interactive else 10, leave=interactive,
     )  # fmt: skip
     steps = [Step(e, i, programs[config.batch_for_epoch(e)].feed) for e, count in enumerate(plan) for i in range(count)]
-    batches = loader.batches(steps, config.seed, books.step, resume.loader if resume else None)
+    batches = loader.batches(steps, config.seed, _loader_position(resume))
     result = None
     first_in_epoch = 0
     try:
@@ -173,6 +173,20 @@ def fit(
     if result is None and test_set is not None:  # resumed at the very end: nothing left to train
         result = evaluate(programs[config.batch_for_epoch(len(plan) - 1)], state, test_set)
     return books.result(state, result)
+
+
+def _loader_position(resume: Resume | None) -> dict | None:
+    """Where a restored run's loader continues: the position its checkpoint saved (from the
+    step, for checkpoints made before the loader saved one)."""
+    if resume is None:
+        return None
+    position = resume.loader or {"next_step": resume.step}
+    if position["next_step"] != resume.step:
+        raise UserError(
+            f"the checkpoint's loader stands at step {position['next_step']} but its state at step {resume.step}; "
+            "the checkpoint is inconsistent: resume from an earlier one"
+        )
+    return position
 
 
 def _train_epoch(program: Program, state, batches: Batches, books: _Books, epoch: int, first: int, count: int, bar):

@@ -172,11 +172,9 @@ def sync_plot(curves: dict[str, list[float]], rows: list[dict], path: Path, titl
     return _save(fig, path)
 
 
-def input_bound_plot(rows: list[dict], path: Path, title: str) -> Path:
+def input_bound_plot(rows: list[dict], path: Path, title: str, threshold: float) -> Path:
     """Training images/s per worker count beside the pipeline's own decode rate, and the
-    input stall against the input-bound threshold."""
-    from jaxcnn.analysis.verdicts import INPUT_BOUND
-
+    input stall against the input-bound `threshold`."""
     labels = [f"{r['workers']} workers" if r["input"] != "in memory" else "in memory" for r in rows]
     x = list(range(len(rows)))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -190,7 +188,7 @@ def input_bound_plot(rows: list[dict], path: Path, title: str) -> Path:
     left.legend()
     colors = ["tab:red" if r["verdict"] == "input-bound" else "tab:green" for r in rows]
     right.bar(x, [100 * r["input_wait_fraction"] for r in rows], color=colors)
-    right.axhline(100 * INPUT_BOUND, color="grey", linestyle=":", label=f"input-bound above {INPUT_BOUND:.0%}")
+    right.axhline(100 * threshold, color="grey", linestyle=":", label=f"input-bound above {threshold:.0%}")
     right.set_xticks(x, labels)
     right.set_ylabel("devices idle for input (% of training time)")
     right.legend()

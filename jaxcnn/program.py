@@ -110,7 +110,9 @@ class Program:
     @property
     def feed(self) -> Feed:
         """What the loader builds for this program: its batch size, order, and this process's rows."""
-        return Feed(self.batch_size, self.batch_order, process_rows(self.batch_shardings, self.batch_size))
+        shapes = ((self.batch_size, *self.spec.image_shape), (self.batch_size,))
+        rows = process_rows(list(zip(self.batch_shardings, shapes, strict=True)))
+        return Feed(self.batch_size, self.batch_order, rows)
 
     def place_rows(self, images: np.ndarray, labels: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """This process's rows of a batch (`feed.rows`, already in `batch_order`) as the global arrays."""

@@ -174,27 +174,26 @@ def load_data(args, num_classes: int) -> tuple[Dataset, Dataset]:
         train_set = synthetic_dataset(shape, args.synthetic_size, num_classes, args.seed)
         return train_set, synthetic_dataset(shape, max(args.synthetic_size // 4, 1), num_classes, args.seed + 1)
     if args.dataset != BUNDLED:
-        return load_named(args.dataset, args.data_dir)
+        return load_named(args.dataset, args.data_dir, args.download)
     source = dict(channels=args.channels, num_classes=num_classes, image_size=args.image_size)
     train_set = load_source(args.data, **source)
     if args.test_data or not args.data:
         test_set = load_source(args.test_data or BUNDLED_TEST, **source, classes=train_set.classes, need_labels=False)
     else:
         train_set, test_set = split_validation(train_set, args.val_split, args.seed)
-    test_set = test_set.loaded()  # evaluated every epoch: decode an image folder's once
     if test_set.image_shape != train_set.image_shape:
         raise UserError(
             f"test images are {test_set.image_shape}, training images {train_set.image_shape}; use matching files"
         )
-    return train_set, test_set
+    return train_set, test_set.loaded()  # evaluated every epoch: an image folder's decoded once
 
 
 def input_workers(flag: int | None, train_set: Dataset) -> int:
     """--input-workers, or its default: none for data already in memory (gathering rows is
-    cheap), one per core for files decoded every epoch."""
+    cheap), one per core this process may use for files decoded every epoch."""
     if flag is not None:
         return flag
-    return 0 if train_set.in_memory else os.cpu_count() or 1
+    return 0 if train_set.in_memory else len(os.sched_getaffinity(0))
 
 
 def _open_checkpoints(args) -> Checkpointer | None:
@@ -282,6 +281,7 @@ def run_record(args, configs, programs, train_config, outcome: FitResult, loader
         "train_seconds": outcome.train_seconds,
         "input_wait_fraction": outcome.input_wait_fraction,
         "input_workers": loader.workers,
+        "input_rows_per_process": len(range(program.batch_size)[program.feed.rows]),  # of each global batch
         "input_startup_seconds": outcome.extra["input_startup_seconds"],  # the first batch: workers starting
         "data": loader.dataset.source,
         "test_data": test_set.source,

@@ -99,3 +99,51 @@ def test_train_script_trains_on_a_named_dataset(tmp_path):
     )  # fmt: skip
     assert record["data"] == record["test_data"] == str(data_dir)
     assert len(record["loss_history"]) == 2 and record["test_accuracy"] * 32 == round(record["test_accuracy"] * 32)
+
+
+@pytest.fixture
+def file_server(tmp_path):
+    """A local HTTP server for `tmp_path / "site"` (its base URL): the download path without the internet."""
+    import functools
+    import http.server
+    import threading
+
+    site = tmp_path / "site"
+    site.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield site, f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+
+
+def test_download_fetches_the_files_into_the_cache_checked_against_their_md5(tmp_path, file_server, monkeypatch):
+    import dataclasses
+    import hashlib
+
+    from jaxcnn.data import datasets
+
+    site, url = file_server
+    write_mnist_like(site)
+    for stem in FILES[1::2]:  # the labels were written uncompressed: publish every file as .gz
+        write_idx(site / f"{stem}.gz", read_idx(site / stem))
+    md5 = {stem: hashlib.md5((site / f"{stem}.gz").read_bytes()).hexdigest() for stem in FILES}
+    monkeypatch.setitem(datasets.DATASETS, "mnist", dataclasses.replace(DATASETS["mnist"], download_url=url, md5=md5))
+    monkeypatch.setenv("JAXCNN_DATA", str(tmp_path / "cache"))
+    with pytest.raises(UserError, match="pass --download"):
+        load_named("mnist")  # not found, not asked to download
+    train, test = load_named("mnist", download=True)
+    assert len(train) == 64 and len(test) == 32
+    assert sorted(p.name for p in (tmp_path / "cache" / "mnist").iterdir()) == sorted(f"{s}.gz" for s in FILES)
+    # a file that arrives different from what was published is not kept
+    monkeypatch.setenv("JAXCNN_DATA", str(tmp_path / "empty cache"))
+    monkeypatch.setitem(datasets.DATASETS, "mnist", dataclasses.replace(DATASETS["mnist"], download_url=url,
+                                                                        md5={**md5, FILES[0]: "0" * 32}))  # fmt: skip
+    with pytest.raises(UserError, match=f"{FILES[0]}.gz downloaded with md5 .*, not the published 0000"):
+        load_named("mnist", tmp_path / "fresh", download=True)
+    assert not (tmp_path / "fresh" / f"{FILES[0]}.gz").exists() and not list((tmp_path / "fresh").glob(".*part"))
+    monkeypatch.setitem(datasets.DATASETS, "mnist", dataclasses.replace(DATASETS["mnist"], download_url=url, md5=md5))
+    (site / f"{FILES[2]}.gz").unlink()  # the source lacks a file: one line naming the URL
+    with pytest.raises(UserError, match=rf"cannot download {url}{FILES[2]}.gz \(File not found\); put the files in"):
+        load_named("mnist", tmp_path / "again", download=True)

@@ -43,6 +43,7 @@ def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path, layout
                *TINY, *layout_flags, "--results-dir", tmp_path / "two", "--run-name", "r"]).stdout  # fmt: skip
     one, two = (json.loads((tmp_path / d / "r.json").read_text()) for d in ("one", "two"))
     assert two["num_processes"] == 2 and two["num_devices"] == 4 and one["num_processes"] == 1
+    assert (one["input_rows_per_process"], two["input_rows_per_process"]) == (32, 16)  # each builds only its rows
     np.testing.assert_allclose(two["loss_history"], one["loss_history"], rtol=1e-5)
     assert "[p0] wrote" in out and "[p1] wrote" not in out  # only process 0 writes results
 

@@ -5,13 +5,21 @@ for, and how they load.
 
 The four MNIST-format files (gzipped or not) are looked for in `--data-dir`, then in
 jaxcnn's cache (`$JAXCNN_DATA`, default ~/.cache/jaxcnn/<name>), then where Debian's
-package puts them (/usr/share/datasets/<name>). Where a published checksum is known, the
-decompressed content must match it, so a damaged or mixed-up file stops the run.
+package puts them (/usr/share/datasets/<name>); with `--download`, fetched from the
+canonical source into --data-dir or the cache, each .gz checked against its published md5.
+Where a checksum of the content is known, the decompressed content must match it too, so a
+damaged or mixed-up file stops the run.
 """
 
 from __future__ import annotations
 
+import hashlib
+import http.client
 import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +40,8 @@ class NamedDataset:
     url: str  # where the four files are published
     apt: str | None = None  # the Debian package that installs them
     sha256: dict[str, str] = field(default_factory=dict)  # file -> sha256 of its decompressed content
+    download_url: str | None = None  # the folder --download fetches <file>.gz from
+    md5: dict[str, str] = field(default_factory=dict)  # file -> md5 of its published .gz (torchvision's)
 
 
 # sha256 of the published files' content (Debian's package holds the same bytes, recompressed)
@@ -47,8 +57,25 @@ DATASETS = {
         "https://github.com/zalandoresearch/fashion-mnist (data/fashion/*.gz)",
         apt="dataset-fashion-mnist",
         sha256=FASHION_MNIST_SHA256,
+        download_url="http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+        md5={
+            "train-images-idx3-ubyte": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+            "train-labels-idx1-ubyte": "25c81989df183df01b3e8a0aad5dffbe",
+            "t10k-images-idx3-ubyte": "bef4ecab320f06d8554ea6380940ec79",
+            "t10k-labels-idx1-ubyte": "bb300cfdad3c16e7a12a480ee83cd310",
+        },
     ),
-    "mnist": NamedDataset("mnist", "https://ossci-datasets.s3.amazonaws.com/mnist/ (the files torchvision uses)"),
+    "mnist": NamedDataset(
+        "mnist",
+        "https://ossci-datasets.s3.amazonaws.com/mnist/ (the files torchvision uses)",
+        download_url="https://ossci-datasets.s3.amazonaws.com/mnist/",
+        md5={
+            "train-images-idx3-ubyte": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+            "train-labels-idx1-ubyte": "d53e105ee54ea40749a09fcbcd1e9432",
+            "t10k-images-idx3-ubyte": "9fb629c4189551a2d022fa330f9573f3",
+            "t10k-labels-idx1-ubyte": "ec29112dd5afa0611ce80d1b7f02629c",
+        },
+    ),
 }
 BUNDLED = "digits"  # the CSVs in data/: the default, not one of DATASETS
 
@@ -62,8 +89,9 @@ def _file(directory: Path, stem: str) -> Path | None:
     return next((p for p in (directory / f"{stem}.gz", directory / stem) if p.is_file()), None)
 
 
-def locate(name: str, data_dir: str | Path | None = None) -> dict[str, Path]:
-    """The four files of dataset `name`, from the first place that has them all."""
+def locate(name: str, data_dir: str | Path | None = None, download: bool = False) -> dict[str, Path]:
+    """The four files of dataset `name`, from the first place that has them all; with
+    `download`, fetched into --data-dir (or the cache) when no place has them."""
     if name not in DATASETS:
         raise UserError(f"unknown --dataset {name!r}; use {BUNDLED} (the bundled CSVs) or one of {', '.join(DATASETS)}")
     places = search_dirs(name, data_dir)
@@ -72,14 +100,57 @@ def locate(name: str, data_dir: str | Path | None = None) -> dict[str, Path]:
         if all(found.values()):
             return found
     spec = DATASETS[name]
+    if download:
+        return fetch(spec, places[0])
     how = [f"apt-get install {spec.apt}"] if spec.apt else []
+    how.append("pass --download" if spec.download_url else "")
     how.append(f"download {', '.join(f + '.gz' for f in FILES)} from {spec.url} into --data-dir")
+    how = [h for h in how if h]
     raise UserError(f"--dataset {name}: its files are in none of {', '.join(map(str, places))}; {' or '.join(how)}")
 
 
-def load_named(name: str, data_dir: str | Path | None = None) -> tuple[Dataset, Dataset]:
+def fetch(spec: NamedDataset, directory: Path) -> dict[str, Path]:
+    """Download the four .gz files into `directory`, each checked against its published md5
+    before it is kept: a file is written under a temporary name of its own (processes
+    sharing a cache do not collide) and renamed when good, so a failed or cut-off download
+    leaves no file of that name."""
+    if not spec.download_url:
+        raise UserError(f"--dataset {spec.name} has no download source; get its files from {spec.url}")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot download into {directory}: {err.strerror or err}") from None
+    found = {}
+    for stem in FILES:
+        target = directory / f"{stem}.gz"
+        if not target.is_file():
+            _download(spec, stem, target)
+        found[stem] = target
+    return found
+
+
+def _download(spec: NamedDataset, stem: str, target: Path) -> None:
+    url = spec.download_url + target.name
+    print(f"downloading {url}", flush=True)
+    handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, os.fdopen(handle, "wb") as out:
+            shutil.copyfileobj(response, out)
+        md5 = hashlib.md5(Path(partial).read_bytes(), usedforsecurity=False).hexdigest()
+        if spec.md5.get(stem) and md5 != spec.md5[stem]:
+            raise UserError(f"{url} downloaded with md5 {md5}, not the published {spec.md5[stem]}; nothing was kept")
+        os.replace(partial, target)
+    except (OSError, urllib.error.URLError, http.client.HTTPException) as err:
+        reason = getattr(err, "reason", None) or getattr(err, "strerror", None) or err
+        how = f"apt-get install {spec.apt} or " if spec.apt else ""
+        raise UserError(f"cannot download {url} ({reason}); {how}put the files in {target.parent}") from None
+    finally:
+        Path(partial).unlink(missing_ok=True)
+
+
+def load_named(name: str, data_dir: str | Path | None = None, download: bool = False) -> tuple[Dataset, Dataset]:
     """(training set, test set) of a named dataset, images scaled to [0, 1], HWC with C = 1."""
-    files, sha256 = locate(name, data_dir), DATASETS[name].sha256
+    files, sha256 = locate(name, data_dir, download), DATASETS[name].sha256
     arrays = {stem: read_idx(path, sha256.get(stem)) for stem, path in files.items()}
     return tuple(
         _dataset(arrays[images], arrays[labels], files[images], files[labels])

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,25 +144,33 @@ def load_image_folder(
     return Dataset(images, np.asarray(labels, np.int32), str(root), classes=tuple(names))
 
 
-def write_image_folder(
-    dataset: Dataset, root: str | Path, *, size: tuple[int, int] | None = None, channels: int = 3, quality: int = 90
-) -> Path:
+def write_image_folder(dataset: Dataset, root: str | Path, *, size: tuple[int, int] | None = None,
+                       channels: int = 3, quality: int = 90) -> Path:  # fmt: skip
     """`dataset` as an image folder of JPEGs (a subfolder per class), each image resized to
-    `size` (H, W) and converted to `channels`: real files to decode, for measuring an input
-    pipeline. `root` must not exist yet (nothing is overwritten)."""
+    `size` (H, W) and converted to `channels` (1 or 3: JPEG has no alpha): real files to
+    decode, for measuring an input pipeline. `root` must not exist yet; it is written
+    beside under a temporary name and appears whole or not at all."""
     root = Path(root)
+    if channels not in (1, 3):
+        raise UserError(f"JPEG images have 1 or 3 channels, not {channels}")
     if root.exists():
         raise UserError(f"{root} already exists; give a new folder to write the images into")
-    names = dataset.classes or tuple(str(label) for label in range(int(dataset.labels.max()) + 1))
-    for name in names:
-        (root / name).mkdir(parents=True)
-    pixels = dataset.images if dataset.in_memory else dataset.images[:]
-    for i, (image, label) in enumerate(zip(pixels, dataset.labels, strict=True)):
-        values = np.round(image * 255).astype(np.uint8)
-        picture = Image.fromarray(values[..., 0] if values.shape[-1] == 1 else values).convert(MODES[channels])
-        if size is not None:
-            picture = picture.resize(size[::-1], Image.Resampling.BILINEAR)
-        picture.save(root / names[label] / f"{i:06d}.jpg", quality=quality)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}.", suffix=".part"))
+    try:
+        names = dataset.classes or tuple(str(label) for label in range(int(dataset.labels.max()) + 1))
+        for name in names:
+            (partial / name).mkdir()
+        pixels = dataset.images if dataset.in_memory else dataset.images[:]
+        for i, (image, label) in enumerate(zip(pixels, dataset.labels, strict=True)):
+            values = np.round(image * 255).astype(np.uint8)
+            picture = Image.fromarray(values[..., 0] if values.shape[-1] == 1 else values).convert(MODES[channels])
+            if size is not None:
+                picture = picture.resize(size[::-1], Image.Resampling.BILINEAR)
+            picture.save(partial / names[label] / f"{i:06d}.jpg", quality=quality)
+        partial.rename(root)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return root
 
 

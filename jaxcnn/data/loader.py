@@ -9,6 +9,7 @@ global batches are the same for any number of processes.
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
@@ -97,14 +98,14 @@ def eval_batches(dataset: Dataset, batch_size: int) -> Iterator[tuple[np.ndarray
         yield images, batch_labels, mask
 
 
-def process_rows(shardings, batch_size: int) -> slice:
-    """The rows of a global batch this process's devices hold under `shardings` (the
-    images' and the labels' may differ: a pipeline's first and last stage)."""
+def process_rows(placements: list[tuple[NamedSharding, tuple[int, ...]]]) -> slice:
+    """The rows of a global batch this process's devices hold, over (sharding, global shape)
+    pairs: the images' and the labels' may differ (a pipeline's first and last stage)."""
     starts, stops = [], []
-    for sharding in shardings:
-        for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+    for sharding, shape in placements:
+        for index in sharding.addressable_devices_indices_map(shape).values():
             starts.append(index[0].start or 0)
-            stops.append(batch_size if index[0].stop is None else index[0].stop)
+            stops.append(shape[0] if index[0].stop is None else index[0].stop)
     return slice(min(starts), max(stops)) if starts else slice(0, 0)
 
 
@@ -118,7 +119,7 @@ def to_global(
     just the rows its own devices own, so multi-host input needs no other code.
     """
     global_shape = (global_rows or len(array), *array.shape[1:])
-    rows = process_rows([sharding], global_shape[0])
+    rows = process_rows([(sharding, global_shape)])
     local = array[rows.start - first_row : rows.stop - first_row]
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
@@ -128,7 +129,7 @@ def check_input_options(workers: int | None, depth: int) -> None:
         raise UserError(f"--input-workers must be >= 0 and --prefetch >= 1, got {workers} and {depth}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds an array: compared by identity
 class Feed:
     """How one program takes its batches: the global batch size, the order it wants the
     examples in (None: as drawn), and the rows of it this process builds."""
@@ -154,11 +155,15 @@ class BuildBatch(grain.transforms.Map):
 
     def __init__(self, dataset: Dataset, augment: Augment | None, seed: int, steps: list[Step]):
         self.dataset, self.augment, self.seed, self.steps = dataset, augment, seed, steps
+        self._epoch_batches: tuple[tuple[int, int], list[np.ndarray]] | None = None  # the last epoch's, kept
 
     def map(self, step: int):
         where = self.steps[step]
         feed = where.feed
-        examples = batch_indices(len(self.dataset), feed.batch_size, where.epoch, self.seed)[where.index]
+        key = (where.epoch, feed.batch_size)
+        if self._epoch_batches is None or self._epoch_batches[0] != key:  # a shuffle per epoch, not per step
+            self._epoch_batches = key, batch_indices(len(self.dataset), feed.batch_size, where.epoch, self.seed)
+        examples = self._epoch_batches[1][where.index]
         draws = None
         if self.augment is not None and self.augment.active:
             draws = self.augment.draws(self.seed, where.epoch, where.index, feed.batch_size)
@@ -175,7 +180,9 @@ class BuildBatch(grain.transforms.Map):
 class Batches:
     """The run's training batches, in step order, from one grain iterator that spans every
     epoch (so prefetch crosses epoch boundaries). `next()` gives this process's rows of the
-    next global batch; `position()` is the loader's state for a checkpoint.
+    next global batch; `position()` is the loader's place for a checkpoint: the next step,
+    which with the seed fixes the next example exactly (batch k's examples depend on
+    nothing else), whatever the worker count of the run that resumes from it.
 
     The input stall: the part of each wait in `next()` during which the devices had nothing
     left to run. Tell it each step's outputs (`dispatched`); a watcher thread notes when
@@ -184,8 +191,8 @@ class Batches:
     pipeline starting (its worker processes too): `startup_seconds`, not a stall.
     """
 
-    def __init__(self, iterator, workers: int, first_step: int):
-        self._iterator, self._workers, self._next_step = iterator, workers, first_step
+    def __init__(self, iterator, first_step: int):
+        self._iterator, self._next_step = iterator, first_step
         self._waits: list[tuple[int, float, float]] = []  # (steps dispatched before it, start, end)
         self._finished: dict[int, float] = {}  # step count -> when that many had finished
         self._dispatched = 0
@@ -217,9 +224,13 @@ class Batches:
     def _note_finishes(self) -> None:
         while (item := self._watch.get()) is not None:
             count, outputs = item
-            jax.block_until_ready(outputs)
-            self._finished[count] = time.perf_counter()
-            self._watch.task_done()
+            try:
+                jax.block_until_ready(outputs)
+            except Exception:  # a failed step: the loop sees its error; keep the clock running
+                pass
+            finally:
+                self._finished[count] = time.perf_counter()
+                self._watch.task_done()
         self._watch.task_done()
 
     def take_stall_seconds(self) -> float:
@@ -227,18 +238,23 @@ class Batches:
         self._watch.join()
         stall = 0.0
         for count, start, end in self._waits:
-            stall += max(0.0, end - max(start, self._finished[count]))
+            stall += max(0.0, end - max(start, self._finished.pop(count)))
         self._waits.clear()
+        self._finished.clear()
         return stall
 
     def position(self) -> dict:
         """Where the loader stands, to save with a checkpoint (JSON)."""
-        return {"next_step": self._next_step, "workers": self._workers, "grain": self._iterator.get_state()}
+        return {"next_step": self._next_step}
 
     def close(self) -> None:
         self._watch.put(None)
         self._watcher.join()
         self._iterator.close()
+        # Release the workers' queues and semaphores now: collected later, in the middle of
+        # the next pipeline's start, multiprocessing's resource tracker is re-entered and warns.
+        del self._iterator
+        gc.collect()
 
 
 @dataclass
@@ -260,15 +276,17 @@ class Loader:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def batches(self, steps: list[Step], seed: int, first_step: int = 0, position: dict | None = None) -> Batches:
-        """Steps `first_step` .. len(steps) - 1; `position` (a checkpoint's) restores the
-        grain iterator itself where it was saved with the same worker count."""
+    def batches(self, steps: list[Step], seed: int, position: dict | None = None) -> Batches:
+        """Steps from `position` (a checkpoint's `Batches.position()`; None: the first) to
+        the last of `steps`."""
         _accept_grain_defaults()
+        first_step = position["next_step"] if position else 0
         source = grain.MapDataset.range(len(steps)).map(BuildBatch(self.dataset, self.augment, seed, steps))
-        same_workers = position is not None and position.get("workers") == self.workers
-        if not same_workers:
-            source = source[first_step:]
-        pipeline = source.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=self.depth))
+        # In a worker, its own output buffer holds the batches ahead; read one at a time into it.
+        read_ahead = 1 if self.workers else self.depth
+        pipeline = source[first_step:].to_iter_dataset(
+            grain.ReadOptions(num_threads=1, prefetch_buffer_size=read_ahead)
+        )
         if self.workers:
             # Batches come back pickled, not in shared memory: grain can leave a shared-memory
             # block behind when its iterator closes (a warning at exit), and a copy is cheap.
@@ -278,10 +296,7 @@ class Loader:
             pipeline = pipeline.mp_prefetch(
                 grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=self.depth)
             )
-        iterator = iter(pipeline)
-        if same_workers:
-            iterator.set_state(position["grain"])
-        return Batches(iterator, self.workers, first_step)
+        return Batches(iter(pipeline), first_step)
 
 
 def _accept_grain_defaults() -> None:
