@@ -39,7 +39,7 @@ def train_batches(dataset: Dataset, batch_size: int, epoch: int, seed: int) -> I
 
 def batch_indices(size: int, batch_size: int, epoch: int, seed: int) -> list[np.ndarray]:
     """The example indices of each full batch of one epoch: batch i can be built on its own
-    (any worker thread, any order) and a resumed run starts at any batch."""
+    (any worker, any order) and a resumed run starts at any batch."""
     order = epoch_order(size, epoch, seed)
     return [order[start : start + batch_size] for start in range(0, size - batch_size + 1, batch_size)]
 
@@ -238,9 +238,10 @@ class Batches:
         self._watch.join()
         stall = 0.0
         for count, start, end in self._waits:
-            stall += max(0.0, end - max(start, self._finished.pop(count)))
+            stall += max(0.0, end - max(start, self._finished[count]))
         self._waits.clear()
-        self._finished.clear()
+        # the next wait follows the last step dispatched: keep only when that one finished
+        self._finished = {self._dispatched: self._finished[self._dispatched]} if self._dispatched else {}
         return stall
 
     def position(self) -> dict:
