@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from jaxcnn.checkpoint import state_fingerprint
 from jaxcnn.config import DIVERGENCE_FACTOR, TrainConfig, epoch_steps
-from jaxcnn.data import Batches, Dataset, Loader, Step, eval_batches, to_global
+from jaxcnn.data import Batches, Dataset, Loader, Schedule, eval_batches, to_global
 from jaxcnn.errors import UserError
 from jaxcnn.program import Program
 
@@ -144,7 +144,8 @@ def fit(
         total=sum(plan), initial=books.step, unit="step", disable=not progress,
         mininterval=0.1 if interactive else 10, leave=interactive,
     )  # fmt: skip
-    steps = [Step(e, i, programs[config.batch_for_epoch(e)].feed) for e, count in enumerate(plan) for i in range(count)]
+    feeds = {size: program.feed for size, program in programs.items()}
+    steps = Schedule(plan, [feeds[config.batch_for_epoch(epoch)] for epoch in range(len(plan))])
     batches = loader.batches(steps, config.seed, _loader_position(resume))
     result = None
     first_in_epoch = 0

@@ -1,12 +1,14 @@
 """Checkpoints survive a kill; resuming is exact, also onto another layout; damaged
 checkpoints are skipped; a non-finite loss stops the run without saving it."""
 
+import contextlib
 import json
 import random
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -124,6 +126,23 @@ def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_after_it(tmp_pa
     assert skipped["skipped_steps"] == 11  # every step after the first overflows the parameters
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():  # each thread's children
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's parent here need not reap it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status and "State:\tX" not in status
+
+
 def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
     """SIGKILL mid-training, then --resume: on an image folder decoded and augmented by two
     grain workers, epochs of 3 steps and checkpoints every 10, so the run stops mid-epoch
@@ -144,9 +163,15 @@ def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
     deadline = time.monotonic() + 240
     while not (tmp_path / "ck" / str(kill_after)).exists() and victim.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    workers = _children(victim.pid)  # the grain worker processes (and multiprocessing's resource tracker)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert victim.returncode == -signal.SIGKILL, f"the run ended before step {kill_after}"
+    assert len(workers) >= 2
+    deadline = time.monotonic() + 10
+    while any(map(_running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_running, workers)), "the killed run's input workers outlived it"
     assert not (tmp_path / "run.json").exists()
     resumed = subprocess.run(
         [*script, *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--run-name", "run", "--resume"],

@@ -153,6 +153,19 @@ def test_the_loader_gives_each_steps_examples_and_resumes_from_its_saved_positio
             np.testing.assert_array_equal(b, d)
 
 
+def test_the_schedule_is_the_list_of_steps_without_the_list():
+    from jaxcnn.data import Feed, Schedule, Step
+
+    small, large = Feed(8, None, slice(0, 8)), Feed(16, None, slice(0, 16))  # a batch schedule: 8, then 16
+    schedule = Schedule([3, 2, 2], [small, small, large])
+    listed = [Step(0, 0, small), Step(0, 1, small), Step(0, 2, small), Step(1, 0, small), Step(1, 1, small),
+              Step(2, 0, large), Step(2, 1, large)]  # fmt: skip
+    assert len(schedule) == 7 and list(schedule) == listed
+    with pytest.raises(IndexError):
+        schedule[7]
+    assert len(Schedule([44] * 100_000, [small] * 100_000)) == 4_400_000  # no list of millions
+
+
 def test_each_process_builds_only_its_rows_of_the_same_global_batch():
     """Two processes' rows (in the program's batch order) put together are the one
     process's batch: augmentation draws too, so the global batch does not depend on the

@@ -9,11 +9,13 @@ global batches are the same for any number of processes.
 
 from __future__ import annotations
 
+import functools
 import gc
+import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grain
@@ -148,12 +150,30 @@ class Step:
     feed: Feed
 
 
+class Schedule(Sequence):
+    """The run's steps as a sequence of `Step`s, without a list of them (a run of 100,000
+    epochs has millions): epoch e has `counts[e]` steps, fed by `feeds[e]`."""
+
+    def __init__(self, counts: Sequence[int], feeds: Sequence[Feed]):
+        self.feeds = list(feeds)
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # epoch e's first step
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, step: int) -> Step:
+        if not 0 <= step < len(self):
+            raise IndexError(step)
+        epoch = int(np.searchsorted(self.starts, step, side="right")) - 1
+        return Step(epoch, step - int(self.starts[epoch]), self.feeds[epoch])
+
+
 class BuildBatch(grain.transforms.Map):
     """Step number -> (step, this process's images, its labels): draws the global batch's
     examples from (seed, epoch), keeps this process's rows, then reads (an image folder:
     decodes) and augments just those. Runs in grain's workers; picklable."""
 
-    def __init__(self, dataset: Dataset, augment: Augment | None, seed: int, steps: list[Step]):
+    def __init__(self, dataset: Dataset, augment: Augment | None, seed: int, steps: Sequence[Step]):
         self.dataset, self.augment, self.seed, self.steps = dataset, augment, seed, steps
         self._epoch_batches: tuple[tuple[int, int], list[np.ndarray]] | None = None  # the last epoch's, kept
 
@@ -277,7 +297,7 @@ class Loader:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def batches(self, steps: list[Step], seed: int, position: dict | None = None) -> Batches:
+    def batches(self, steps: Sequence[Step], seed: int, position: dict | None = None) -> Batches:
         """Steps from `position` (a checkpoint's `Batches.position()`; None: the first) to
         the last of `steps`."""
         _accept_grain_defaults()
@@ -295,9 +315,23 @@ class Loader:
                 pipeline, grain.experimental.DatasetOptions(min_shm_size=1 << 62)
             )
             pipeline = pipeline.mp_prefetch(
-                grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=self.depth)
+                grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=self.depth),
+                worker_init_fn=functools.partial(_exit_with_parent, os.getpid()),
             )
         return Batches(iter(pipeline), first_step)
+
+
+def _exit_with_parent(parent: int, worker_index: int, worker_count: int) -> None:
+    """In each grain worker: exit once the training process is gone. grain stops its workers
+    when the iterator closes or the process exits normally, but a process killed outright
+    (SIGKILL, the OOM killer, a preempted job) would leave them running."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="jaxcnn-parent-watch", daemon=True).start()
 
 
 def _accept_grain_defaults() -> None:
