@@ -13,6 +13,7 @@ programs one optimizer step runs and how often, which is all a cost reader needs
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -107,7 +108,7 @@ class Program:
             images, labels = images[self.batch_order], labels[self.batch_order]
         return to_global(images, self.batch_shardings[0]), to_global(labels, self.batch_shardings[1])
 
-    @property
+    @functools.cached_property  # read every step by place_rows: worked out once
     def feed(self) -> Feed:
         """What the loader builds for this program: its batch size, order, and this process's rows."""
         shapes = ((self.batch_size, *self.spec.image_shape), (self.batch_size,))

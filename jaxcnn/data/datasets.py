@@ -103,9 +103,8 @@ def locate(name: str, data_dir: str | Path | None = None, download: bool = False
     if download:
         return fetch(spec, places[0])
     how = [f"apt-get install {spec.apt}"] if spec.apt else []
-    how.append("pass --download" if spec.download_url else "")
+    how += ["pass --download"] if spec.download_url else []
     how.append(f"download {', '.join(f + '.gz' for f in FILES)} from {spec.url} into --data-dir")
-    how = [h for h in how if h]
     raise UserError(f"--dataset {name}: its files are in none of {', '.join(map(str, places))}; {' or '.join(how)}")
 
 
