@@ -5,6 +5,7 @@ the collectives each layout compiled to.
 python experiments/check_layouts.py                              # default model, 8 devices
 python experiments/check_layouts.py --steps 20 --layouts dp,tp --out results/check.csv
 python experiments/check_layouts.py --sizes realistic --out results/layout_equivalence_realistic.csv
+python experiments/check_layouts.py --sizes resnet --steps 4 --out results/layout_equivalence_resnet.csv
 
 Two comparisons per layout:
 - free-running (`max_rel_loss_diff`): K steps each on its own, as a user's runs. Beside it
@@ -18,7 +19,9 @@ Two comparisons per layout:
   starts from single's exact state, so its loss and gradient (read back from Adam's first
   moment, zeroed before the step; relative to the largest entry) are compared with single's on the same inputs,
   without amplification. A pool window decided the other way shows here as a gradient
-  difference of ~1e-3 in the step where it happens. A program without one state to
+  difference of ~1e-3 in the step where it happens. Beside it `grad_floor`: the same
+  comparison of `single` with itself on images one ulp larger -- how far float32 rounding
+  alone moves a gradient through the model's ReLU and pool kinks (deep ResNets: ~1e-3). A program without one state to
   start from (the pipeline's: per-stage states) is compared free-running only.
 
 `--sizes realistic` runs the fixed set in REALISTIC instead of the flags' model and data:
@@ -26,7 +29,8 @@ the default model (32/64/128 channels) at 24x24x3 and 32x32x3 and a 5-block mode
 256 channels) at 40x40x3, on odd device counts (data=3, 6 devices, data=3,model=2) and
 batches that are not powers of two. Pipeline rows use one micro-batch, so batch norm
 sees the whole batch as on one device; with M micro-batches its statistics are per
-micro-batch by design (tests/test_pipeline.py checks that design).
+micro-batch by design (tests/test_pipeline.py checks that design). `--sizes resnet` runs
+RESNET: resnet18 at 32x32x3 and 64x64x3 under every layout.
 """
 
 from __future__ import annotations
@@ -74,6 +78,20 @@ REALISTIC = [
     ]],
 ]  # fmt: skip
 
+# --sizes resnet: resnet18 (64..512 channels, stride-2 blocks, projections) at 32x32x3 and
+# 64x64x3 on 2-8 devices, odd counts among them
+RESNET = [
+    *[("resnet18", "32x32x3", 48, layout, mesh) for layout, mesh in [
+        ("dp", "data=3"), ("fsdp", "data=6"), ("tp", "model=2"), ("hybrid", "data=3,model=2"),
+        ("spatial", "data=3,spatial=2"), ("pipeline", "stage=3"),
+    ]],
+    *[("resnet18", "64x64x3", 32, layout, mesh) for layout, mesh in [
+        ("dp", "data=8"), ("fsdp", "data=4"), ("tp", "model=4"), ("hybrid", "data=4,model=2"),
+        ("spatial", "data=2,spatial=4"), ("pipeline", "data=2,stage=2"),
+    ]],
+]  # fmt: skip
+SIZE_SETS = {"realistic": REALISTIC, "resnet": RESNET}
+
 
 class Case(NamedTuple):
     model: ModelConfig
@@ -89,7 +107,10 @@ def parse_flags(argv=None):
     cli.add_data_flags(parser)
     g = parser.add_argument_group("check")
     g.add_argument(
-        "--sizes", choices=("flags", "realistic"), default="flags", help="the flags' model and data, or REALISTIC"
+        "--sizes",
+        choices=("flags", *SIZE_SETS),
+        default="flags",
+        help="the flags' model and data, or the fixed set REALISTIC or RESNET",
     )
     cli.add_layouts_flag(g)
     cli.add_devices_flag(g, help="devices per layout mesh")
@@ -113,7 +134,7 @@ def cases_from_flags(args, layouts: list[Layout]) -> list[Case]:
 
 
 def realistic_cases(layouts: list[Layout], table=REALISTIC) -> list[Case]:
-    """The REALISTIC rows whose layout is among `layouts`; 10 batches of random images each."""
+    """The rows of `table` whose layout is among `layouts`; 10 batches of random images each."""
     wanted = {layout.name for layout in layouts}
     datasets = {}
     cases = []
@@ -173,17 +194,22 @@ def probe(program, state, images: np.ndarray, labels: np.ndarray) -> tuple[float
     return float(metrics["loss"]), mu
 
 
-def step_by_step(single, program, dataset: Dataset, steps: int, seed: int) -> tuple[list[float], list[float]]:
+def step_by_step(
+    single, program, dataset: Dataset, steps: int, seed: int, program_images: np.ndarray | None = None
+) -> tuple[list[float], list[float]]:
     """Each step run by `single` and by `program` from single's state on the same batch:
     per step, (relative loss difference, max |gradient difference| / max |single's gradient|).
-    Single's own step (momentum kept) carries the trajectory on."""
+    Single's own step (momentum kept) carries the trajectory on. `program_images`: what
+    `program` sees instead of the dataset's images (the gradient floor: single on nudged images)."""
     state, loss_diffs, grad_diffs = single.init(), [], []
     per_epoch = len(dataset) // single.batch_size
+    program_images = dataset.images if program_images is None else program_images
     for step in range(steps):
         idx = batch_indices(len(dataset), single.batch_size, step // per_epoch, seed)[step % per_epoch]
         batch = dataset.images[idx], dataset.labels[idx]
         before = _host_copy(state)
-        (loss, expected), (layout_loss, got) = probe(single, before, *batch), probe(program, before, *batch)
+        loss, expected = probe(single, before, *batch)
+        layout_loss, got = probe(program, before, program_images[idx], dataset.labels[idx])
         loss_diffs.append(abs(layout_loss - loss) / abs(loss))
         largest = max(float(np.abs(g).max()) for g in expected)
         grad_diffs.append(max(float(np.abs(a - b).max()) for a, b in zip(got, expected, strict=True)) / largest)
@@ -205,13 +231,17 @@ def check(cases: list[Case], steps: int, lr: float, seed: int, free_running: boo
         key = (case.model, case.dataset.image_shape, case.batch_size)
         if key not in references:
             single = compile_case(case, steps, lr, seed, get_layout("single"), {"data": 1})
-            reference = floor = None
+            reference = floor = grad_floor = None
             if free_running:
                 reference = free_running_losses(single, case.dataset, steps, seed)
-                nudged_losses = free_running_losses(single, nudged(case.dataset), steps, seed)
+                nudged_images = nudged(case.dataset).images
+                nudged_losses = free_running_losses(single, replace(case.dataset, images=nudged_images), steps, seed)
                 floor = float(np.max(np.abs(nudged_losses - reference) / reference))
-            references[key] = single, reference, floor
-        single, reference, floor = references[key]
+                # how far single's own gradient moves when its images move by one ulp: the
+                # ReLU and pool kinks that float32 rounding may flip, whatever the layout
+                grad_floor = max(step_by_step(single, single, case.dataset, steps, seed, nudged_images)[1])
+            references[key] = single, reference, floor, grad_floor
+        single, reference, floor, grad_floor = references[key]
         program = compile_case(case, steps, lr, seed)
         free = None
         if free_running:
@@ -235,6 +265,7 @@ def check(cases: list[Case], steps: int, lr: float, seed: int, free_running: boo
             "noise_floor": floor,
             "step_rel_loss_diff": step_loss,
             "step_rel_grad_diff": step_grad,
+            "grad_floor": grad_floor,
             "kink_steps": kink_steps,
             "param_bytes_per_device": report.bytes_per_device,
             "lint_warnings": len(report.warnings),
@@ -249,7 +280,10 @@ def check(cases: list[Case], steps: int, lr: float, seed: int, free_running: boo
             if of_kind:
                 seen.append(f"{kind} {count}x {moved:,} B")
         rows.append(row)
-        stepwise = f"step {step_loss:.1e} grad {step_grad:.1e}" if step_loss is not None else "step n/a"
+        stepwise = "step n/a"
+        if step_loss is not None:
+            stepwise = f"step {step_loss:.1e} grad {step_grad:.1e}"
+            stepwise += f" (floor {grad_floor:.1e})" if free_running else ""
         freewise = f"free {free:.1e} (floor {floor:.1e})" if free_running else ""
         print(
             f"{row['model'][:7]:<8}{row['image']:<9}b{case.batch_size:<4}{row['layout']:<9}{row['mesh']:<18}"
@@ -265,7 +299,9 @@ def main(argv=None) -> list[dict]:
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     (out,) = cli.writable_outputs(args.out)
-    cases = realistic_cases(layouts) if args.sizes == "realistic" else cases_from_flags(args, layouts)
+    cases = (
+        cases_from_flags(args, layouts) if args.sizes == "flags" else realistic_cases(layouts, SIZE_SETS[args.sizes])
+    )
     devices = max(int(np.prod(list(case.mesh_shape.values()))) for case in cases)
     simulate_cpu_devices(max(devices, args.devices), at_least=True)
     if len(jax.devices()) < devices:

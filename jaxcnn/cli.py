@@ -23,12 +23,15 @@ from jaxcnn.config import (
     BUNDLED_TRAIN,
     DEFAULT_MODEL,
     DTYPES,
+    IMAGENET_STEM_FROM,
     LR_SCALINGS,
     NORMS,
     OPTIMIZERS,
     REMAT_NAMES,
     REMAT_POLICIES,
+    RESNETS,
     SCHEDULES,
+    STEMS,
     SYNC_MODES,
     ModelConfig,
     OptimConfig,
@@ -69,8 +72,18 @@ def batch_schedule(text: str) -> tuple[tuple[int, int], ...]:
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="cnn2d_<N>layer_fullconnected_<M>layer (default %(default)s)")
-    g.add_argument("--conv-features", type=int_list, default=(), help="conv widths, e.g. 32,64,128")
+    g.add_argument(
+        "--model", default=DEFAULT_MODEL,
+        help=f"cnn2d_<N>layer_fullconnected_<M>layer or one of {', '.join(RESNETS)} (default %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--conv-features", type=int_list, default=(), help="conv widths (a ResNet's: per stage), e.g. 32,64,128"
+    )
+    g.add_argument(
+        "--stem", choices=STEMS, default="auto",
+        help="ResNets: small (3x3 conv) or imagenet (7x7 stride-2 conv + max-pool); auto: imagenet from "
+        f"{IMAGENET_STEM_FROM} pixels a side (default %(default)s)",
+    )  # fmt: skip
     g.add_argument("--dense-features", type=int_list, default=(), help="hidden dense widths, e.g. 256,128")
     g.add_argument(
         "--norm", choices=NORMS, default=ModelConfig().norm, help="normalisation after each conv (default %(default)s)"

@@ -17,6 +17,24 @@ BUNDLED_TRAIN, BUNDLED_TEST = (
 MODEL_NAME = re.compile(r"cnn2d_(\d)layer_fullconnected_(\d)layer")
 MAX_CONV_BLOCKS, MAX_DENSE_LAYERS = 6, 4
 
+# The ResNets (He et al. 2016, torchvision's v1.5: a bottleneck's stride on its 3x3 conv):
+# name -> (residual block, blocks per stage). `conv_features` are the stages' widths (a
+# bottleneck's output is 4x its width). The tiny ones keep every mechanism -- an identity
+# and a projection shortcut, a stride-2 stage -- at test sizes.
+RESNETS = {
+    "resnet18": ("basic", (2, 2, 2, 2)),
+    "resnet34": ("basic", (3, 4, 6, 3)),
+    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+    "resnet_tiny": ("basic", (1, 1)),
+    "resnet_tiny_bottleneck": ("bottleneck", (1, 1)),
+}
+RESNET_WIDTHS = (64, 128, 256, 512)
+TINY_RESNET_WIDTHS = (8, 16)
+# The stem: "small" a 3x3 stride-1 conv (CIFAR-sized images), "imagenet" a 7x7 stride-2 conv
+# and a 3x3 stride-2 max-pool; "auto" picks imagenet from IMAGENET_STEM_FROM pixels a side.
+STEMS = ("auto", "small", "imagenet")
+IMAGENET_STEM_FROM = 128
+
 # Preset widths: conv block i has CONV_WIDTHS[i] channels; hidden dense layer j DENSE_WIDTHS[j].
 CONV_WIDTHS = (32, 64, 128, 128, 256, 256)
 DENSE_WIDTHS = (256, 128, 128)
@@ -41,13 +59,49 @@ class ModelConfig:
     remat: str = "none"
     remat_names: tuple[str, ...] = ("norm",)  # saved by remat="names"
     dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
+    stem: str = "auto"  # ResNets only (STEMS)
 
     def __post_init__(self):
+        if self.name in RESNETS:
+            self._check_resnet()
+        else:
+            self._check_cnn()
+        self._check_common()
+
+    @property
+    def is_resnet(self) -> bool:
+        return self.name in RESNETS
+
+    def resnet_stem(self, image_shape: tuple[int, int, int]) -> str:
+        """The stem a ResNet uses on images of `image_shape` (H, W, C)."""
+        if self.stem != "auto":
+            return self.stem
+        return "imagenet" if min(image_shape[:2]) >= IMAGENET_STEM_FROM else "small"
+
+    def _check_resnet(self):
+        _, stages = RESNETS[self.name]
+        widths = self.conv_features or (TINY_RESNET_WIDTHS if "tiny" in self.name else RESNET_WIDTHS)
+        if len(widths) != len(stages):
+            raise UserError(
+                f"model {self.name} has {len(stages)} stages but --conv-features gives {len(widths)} widths"
+            )
+        if self.dense_features or self.dropout:
+            raise UserError(
+                f"{self.name} ends in global average pooling and one classifier: drop --dense-features and --dropout"
+            )
+        if self.stem not in STEMS:
+            raise UserError(f"unknown --stem {self.stem!r}; use one of {', '.join(STEMS)}")
+        if min(widths) < 1:
+            raise UserError("layer widths must be positive integers")
+        object.__setattr__(self, "conv_features", tuple(widths))
+
+    def _check_cnn(self):
         match = MODEL_NAME.fullmatch(self.name)
         if not match:
             raise UserError(
                 f"unknown model {self.name!r}; use cnn2d_<N>layer_fullconnected_<M>layer, "
-                f"e.g. {DEFAULT_MODEL} (N in 1..{MAX_CONV_BLOCKS}, M in 1..{MAX_DENSE_LAYERS})"
+                f"e.g. {DEFAULT_MODEL} (N in 1..{MAX_CONV_BLOCKS}, M in 1..{MAX_DENSE_LAYERS}), "
+                f"or one of {', '.join(RESNETS)}"
             )
         n_conv, n_dense = int(match[1]), int(match[2])
         if not (1 <= n_conv <= MAX_CONV_BLOCKS and 1 <= n_dense <= MAX_DENSE_LAYERS):
@@ -64,6 +118,12 @@ class ModelConfig:
             )
         if min(conv + dense, default=1) < 1:
             raise UserError("layer widths must be positive integers")
+        if self.stem != "auto":
+            raise UserError(f"--stem is for the ResNets ({', '.join(RESNETS)}); drop it for {self.name}")
+        object.__setattr__(self, "conv_features", tuple(conv))
+        object.__setattr__(self, "dense_features", tuple(dense))
+
+    def _check_common(self):
         if self.norm not in NORMS:
             raise UserError(f"unknown --norm {self.norm!r}; use one of {', '.join(NORMS)}")
         if not 0.0 <= self.dropout < 1.0:
@@ -77,8 +137,6 @@ class ModelConfig:
             raise UserError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
         if self.num_classes < 2:
             raise UserError(f"--num-classes must be at least 2, got {self.num_classes}")
-        object.__setattr__(self, "conv_features", tuple(conv))
-        object.__setattr__(self, "dense_features", tuple(dense))
 
 
 OPTIMIZERS = ("adam", "adamw", "sgd")

@@ -1,7 +1,8 @@
 """Regenerate the golden sharding tables: `python tests/make_golden.py`.
 
-One JSON per layout under tests/golden/: the default model on the bundled 8x8 digits,
-under the layout's default mesh for 8 devices, parameter path -> logical names, shape,
+One JSON per layout and model under tests/golden/: the default model on the bundled 8x8
+digits (<layout>.json) and resnet18 on 32x32x3 images (resnet18_<layout>.json), under the
+layout's default mesh for 8 devices, parameter path -> logical names, shape,
 PartitionSpec and bytes per device. tests/test_golden_shardings.py checks the code still
 places every tensor that way; after an intended change, rerun this and review the diff.
 """
@@ -25,25 +26,32 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 DEVICES = 8
 # the pipeline places whole layers on stages, not tensors by rules: tests/test_pipeline.py
 GOLDEN_LAYOUTS = [name for name, layout in LAYOUTS.items() if layout.stage_axis is None]
-IMAGE_SHAPE = (8, 8, 1)
+# file prefix -> (model, image shape)
+GOLDEN_MODELS = {"": (ModelConfig(), (8, 8, 1)), "resnet18_": (ModelConfig(name="resnet18"), (32, 32, 3))}
 
 
-def golden_for(name: str) -> dict:
+def golden_path(name: str, prefix: str = "") -> Path:
+    return GOLDEN / f"{prefix}{name}.json"
+
+
+def golden_for(name: str, prefix: str = "") -> dict:
     layout = LAYOUTS[name]
+    model, image_shape = GOLDEN_MODELS[prefix]
     shape = resolve_mesh(parse_mesh(layout.default_mesh), DEVICES if name != "single" else 1)
     mesh = build_mesh(shape)
     with quiet_fallbacks():  # fallbacks are recorded in the table itself
-        placements = plan_placements(ModelConfig(), layout, mesh, IMAGE_SHAPE)
+        placements = plan_placements(model, layout, mesh, image_shape)
     report = ShardingReport(layout, dict(mesh.shape), placements)
-    return {"layout": name, "mesh": dict(mesh.shape), "model": ModelConfig().name, "parameters": golden_table(report)}
+    return {"layout": name, "mesh": dict(mesh.shape), "model": model.name, "parameters": golden_table(report)}
 
 
 def main() -> None:
     GOLDEN.mkdir(exist_ok=True)
-    for name in GOLDEN_LAYOUTS:
-        path = GOLDEN / f"{name}.json"
-        path.write_text(json.dumps(golden_for(name), indent=1) + "\n")
-        print("wrote", path.relative_to(GOLDEN.parent.parent))
+    for prefix in GOLDEN_MODELS:
+        for name in GOLDEN_LAYOUTS:
+            path = golden_path(name, prefix)
+            path.write_text(json.dumps(golden_for(name, prefix), indent=1) + "\n")
+            print("wrote", path.relative_to(GOLDEN.parent.parent))
 
 
 if __name__ == "__main__":

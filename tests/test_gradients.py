@@ -29,7 +29,8 @@ from flax import nnx
 
 from jaxcnn.config import ModelConfig
 from jaxcnn.layers import _pool_with_choice, max_pool_2x2
-from jaxcnn.models import ConvBlock, build_model, cross_entropy
+from jaxcnn.models import ConvBlock, ResNet, build_model, cross_entropy
+from jaxcnn.models.parts import normalise
 from jaxcnn.sharding import axes as ax
 
 RTOL = 1e-5  # of the largest entry of each reference gradient
@@ -170,11 +171,48 @@ MODELS = {
     "default-remat": (ModelConfig(norm="batch", remat="full"), (8, 16, 16, 1)),
     # 5 conv blocks up to 256 channels at an odd size: 40 -> 20 -> 10 -> 5 -> 3 -> 2
     "5-block": (ModelConfig(name="cnn2d_5layer_fullconnected_3layer", norm="batch"), (3, 40, 40, 3)),
+    # residual blocks at 128 and 256 channels, a stride-2 projection, odd sides: 11 -> 6
+    "resnet-basic": (ModelConfig(name="resnet_tiny", conv_features=(128, 256)), (3, 11, 11, 3)),
+    # bottlenecks (64 -> 256 channels out) behind the 7x7 stride-2 stem and its 3x3 max-pool: 25 -> 13 -> 7 -> 4
+    "resnet-bottleneck": (
+        ModelConfig(name="resnet_tiny_bottleneck", conv_features=(16, 64), stem="imagenet", remat="full"),
+        (2, 25, 25, 3),
+    ),
 }
+
+
+def window_winners(y_BHWC: jax.Array) -> jax.Array:
+    """Which of each 3x3 stride-2 window's (padded) inputs is largest: a ResNet stem's pool."""
+    padded = jnp.pad(y_BHWC, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-jnp.inf)
+    h, w = (y_BHWC.shape[1] - 1) // 2 + 1, (y_BHWC.shape[2] - 1) // 2 + 1
+    windows = [padded[:, i : i + 2 * h - 1 : 2, j : j + 2 * w - 1 : 2] for i in range(3) for j in range(3)]
+    return jnp.argmax(jnp.stack(windows), axis=0)
+
+
+def resnet_branches(model: ResNet, images: jax.Array) -> list[jax.Array]:
+    stem = model.stem
+    y = nnx.relu(normalise(stem.norm, stem.conv(images), True))
+    taken = [y > 0]
+    if stem.pool:
+        taken.append(window_winners(y))
+        y = nnx.max_pool(y, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    for block in model.blocks:
+        x = y
+        for i in range(1, block.depth + 1):
+            y = normalise(getattr(block, f"norm{i}"), getattr(block, f"conv{i}")(y), True)
+            if i < block.depth:
+                taken.append(y > 0)
+                y = nnx.relu(y)
+        y = y + (x if block.shortcut is None else block.shortcut(x, True))
+        taken.append(y > 0)
+        y = nnx.relu(y)
+    return taken
 
 
 def branches(model: nnx.Module, images: jax.Array) -> list[jax.Array]:
     """Every ReLU's sign and every pool window's winner in a training forward pass."""
+    if isinstance(model, ResNet):
+        return resnet_branches(model, images)
     taken = []
     for block in model.blocks:
         y = block.conv(images)

@@ -78,7 +78,7 @@ def test_channel_spaces_alternate_back_from_the_flatten():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"name": "resnet50"}, "unknown model"),
+        ({"name": "resnet101"}, "unknown model"),
         ({"name": "cnn2d_9layer_fullconnected_2layer"}, "use 1..6 conv"),
         ({"conv_features": (8,)}, "has 3 conv blocks"),
         ({"dense_features": (8,)}, "has 2 hidden dense"),

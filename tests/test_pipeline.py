@@ -69,11 +69,12 @@ def _keys(path):
 
 
 def _global(path, group):
-    """A stage's ('blocks'|'dense', k, ...) as the whole model's path."""
+    """A stage's ('units', k, ...) as the whole model's path: a conv block's, or a dense
+    layer's (its unit holds it as `layer`)."""
     num_blocks = len(TINY_PLAIN.conv_features)
-    kind, k, *rest = _keys(path)
-    first = group.start if kind == "blocks" else max(group.start - num_blocks, 0)
-    return (kind, first + k, *rest)
+    _, k, *rest = _keys(path)
+    unit = group.start + k
+    return ("blocks", unit, *rest) if unit < num_blocks else ("dense", unit - num_blocks, *rest[1:])
 
 
 def test_accumulated_gradients_equal_a_sequential_reference():

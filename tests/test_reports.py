@@ -66,14 +66,17 @@ def test_scaling_reports_speedups_and_a_verdict(tmp_path, capsys):
 def test_plan_prints_ranked_choices_and_writes_every_candidate(tmp_path, capsys):
     out = tmp_path / "plan.csv"
     load_script("plan").main(
-        [*TINY_FLAGS, "--devices", "4", "--budget", "64MiB", "--hardware", "a100", "--layouts", "dp,spatial",
+        [*TINY_FLAGS, "--devices", "4", "--budget", "64MiB", "--hardware", "a100,tpu-v5e", "--layouts", "dp,spatial",
          "--out", str(out)]
     )  # fmt: skip
     text = capsys.readouterr().out
-    assert "1. " in text and "fits:" in text
+    assert "1. " in text and "fits:" in text and "4 x a100" in text and "4 x tpu-v5e" in text
     frame = pd.read_csv(out)
-    # only the layouts asked for: dp on data=4, spatial on its two meshes
-    assert frame["fits"].any() and set(frame["layout"]) == {"dp", "spatial"} and len(frame) == 3
+    # only the layouts asked for: dp on data=4, spatial on its two meshes; compiled once, ranked per profile
+    assert frame["fits"].any() and set(frame["layout"]) == {"dp", "spatial"} and len(frame) == 6
+    a100, v5e = (frame[frame["hardware"] == name] for name in ("a100", "tpu-v5e"))
+    assert list(a100["flops_per_device"].sort_values()) == list(v5e["flops_per_device"].sort_values())
+    assert not a100["step_seconds_model"].sort_values().equals(v5e["step_seconds_model"].sort_values())
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from jaxcnn.analysis.hlo import KINDS, ring_wire_bytes
 from jaxcnn.config import ModelConfig
-from jaxcnn.models import layer_shapes
+from jaxcnn.models import LayerShape, layer_shapes
 from jaxcnn.program import Program
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import Layout
@@ -76,7 +76,6 @@ def comm_terms(
     s = layout.degree(ax.HEIGHT, mesh_shape)
     g = d * s
     local_batch = batch_size / d
-    terms: list[CommTerm] = []
     fsdp_axes = set(layout.fsdp)
 
     def fsdp_split(p: ParamPlacement) -> bool:
@@ -84,6 +83,9 @@ def comm_terms(
 
     params = [p for p in placements if p.path in compute_bytes]
     layers = layer_shapes(config, image_shape)
+    split_input, terms = spatial_plan(layers, s, local_batch, itemsize)
+    split_of = {path: split for layer, split in zip(layers, split_input, strict=True)
+                for path in (layer.path, layer.norm_path) if path}  # fmt: skip
 
     def reduce_over(what: str, buffer: float, spatially_split: bool) -> None:
         """A sum over every device that saw other data: XLA reduces over the spatial
@@ -93,24 +95,8 @@ def comm_terms(
         if d > 1:
             terms.append(CommTerm("all-reduce", f"{what} (over data)", d, buffer))
 
-    # Spatial: which conv layers see a height-split input. The model constrains the image
-    # and every block output; a height stays split while each shard keeps 2 rows
-    # (partition.spatial_split_ok), and is all-gathered where it stops.
-    convs = [layer for layer in layers if layer.kind == "conv"]
-    split_input = []
-    split = s > 1 and spatial_split_ok(convs[0].height, s) if convs else False
-    for i, layer in enumerate(convs):
-        split_input.append(split)
-        out_h, out_w = -(-layer.height // 2), -(-layer.width // 2)
-        still = split and spatial_split_ok(out_h, s) and i < len(convs) - 1  # the flatten gathers
-        if split and not still:
-            gathered = local_batch * out_h * out_w * layer.features * itemsize
-            terms.append(CommTerm("all-gather", "activation gathered where its height stops splitting", s, gathered))
-        split = still
-
     def spatially_split(p: ParamPlacement) -> bool:
-        parts = p.path.split("/")
-        return parts[0] == "blocks" and split_input[int(parts[1])]
+        return split_of.get(p.path.rsplit("/", 1)[0], False)
 
     for on_split in (True, False):
         group = [p for p in params if spatially_split(p) == on_split and not fsdp_split(p)]
@@ -124,36 +110,73 @@ def comm_terms(
     if fsdp_bytes:
         terms.append(CommTerm("all-gather", "FSDP parameters for compute", g, fsdp_bytes))
 
+    convs = [(layer, split) for layer, split in zip(layers, split_input, strict=True) if layer.kind == "conv"]
     if config.norm == "batch":
-        for layer, on_split in zip(convs, split_input, strict=True):
+        for layer, on_split in convs:
             channels = layer.features / layout.degree(layer.space_out, mesh_shape)
             reduce_over("batch-norm statistics", 4 * channels * itemsize, on_split)
 
     for i, layer in enumerate(layers):
         tp_out = layout.degree(layer.space_out, mesh_shape)
         tp_in = layout.degree(layer.space_in, mesh_shape)
-        pixels = layer.height * layer.width
         if tp_in > 1:  # a row layer: partial sums of its output
-            terms.append(
-                CommTerm("all-reduce", "tp row-layer outputs", tp_in, local_batch * pixels * layer.features * itemsize)
-            )
+            out = local_batch * layer.out_height * layer.out_width * layer.features * itemsize
+            terms.append(CommTerm("all-reduce", "tp row-layer outputs", tp_in, out))
         if tp_out > 1 and i > 0:  # a column layer: the gradient of its (whole) input
-            terms.append(
-                CommTerm(
-                    "all-reduce",
-                    "tp column-layer input gradients",
-                    tp_out,
-                    local_batch * pixels * layer.in_features * itemsize,
-                )
-            )
-        if layer.kind == "conv" and split_input[i]:
-            row_in = local_batch * layer.width * layer.in_features * itemsize
-            row_out = local_batch * layer.width * layer.features * itemsize
-            terms.append(CommTerm("collective-permute", "halo rows, forward", 2, 2 * row_in))
-            terms.append(CommTerm("collective-permute", "halo rows, weight gradient", 2, 2 * row_in))
-            if i > 0:
-                terms.append(CommTerm("collective-permute", "halo rows, input gradient", 2, 2 * row_out))
+            grad = local_batch * layer.height * layer.width * layer.in_features * itemsize
+            terms.append(CommTerm("all-reduce", "tp column-layer input gradients", tp_out, grad))
     return terms
+
+
+def spatial_plan(
+    layers: list[LayerShape], s: int, local_batch: float, itemsize: int
+) -> tuple[list[bool], list[CommTerm]]:
+    """Which layers see a height-split input under a spatial degree `s`, and the halo
+    exchanges and gathers that costs.
+
+    The model constrains the image and every unit's output (a CNN block, a ResNet stem or
+    block); a height stays split while each shard keeps 2 rows (partition.spatial_split_ok)
+    and is all-gathered where it stops and before a CNN's flatten; a ResNet's global average
+    pool over split rows all-reduces its partial sums. Inside a unit the convs
+    share its input's split. A k x k conv of stride t on split rows needs k - t rows of its
+    input from the neighbours (forward, and again for the weight gradient) and, for the
+    input gradient, ceil((k - t) / t) rows of its output's gradient."""
+    terms: list[CommTerm] = []
+    if s == 1:
+        return [False] * len(layers), terms
+    split = spatial_split_ok(layers[0].height, s)
+    unit_input, split_input = {}, []
+    for i, layer in enumerate(layers):
+        if layer.kind != "conv":
+            split_input.append(False)
+            continue
+        split_input.append(unit_input.setdefault(layer.unit, split))
+        last_of_unit = i + 1 == len(layers) or layers[i + 1].unit != layer.unit
+        if not last_of_unit:
+            continue
+        out_h, out_w = layer.next_size
+        whole = local_batch * out_h * out_w * layer.features * itemsize
+        flattens = layer.pool == 2 and layers[i + 1].kind == "dense"  # a CNN's last block
+        still = split and spatial_split_ok(out_h, s) and layers[i + 1].kind == "conv"
+        if split and (flattens or not spatial_split_ok(out_h, s)):
+            terms.append(CommTerm("all-gather", "activation gathered where its height stops splitting", s, whole))
+        elif split and not still:  # a ResNet's global average pool: partial sums of the split rows
+            pooled = local_batch * layer.features * itemsize
+            terms.append(CommTerm("all-reduce", "global average pool over split rows", s, pooled))
+        split = still
+    for i, (layer, on_split) in enumerate(zip(layers, split_input, strict=True)):
+        if not on_split or layer.kernel <= layer.stride:
+            continue
+        rows = layer.kernel - layer.stride
+        row_in = local_batch * layer.width * layer.in_features * itemsize
+        row_out = local_batch * layer.out_width * layer.features * itemsize
+        terms.append(CommTerm("collective-permute", "halo rows, forward", 2, rows * row_in))
+        terms.append(CommTerm("collective-permute", "halo rows, weight gradient", 2, rows * row_in))
+        if i > 0:
+            terms.append(
+                CommTerm("collective-permute", "halo rows, input gradient", 2, -(-rows // layer.stride) * row_out)
+            )
+    return split_input, terms
 
 
 def summarise(terms: list[CommTerm]) -> dict[str, float]:
@@ -176,8 +199,9 @@ def pipeline_summary(program: Program, config: ModelConfig, image_shape: tuple[i
     layers, micro = layer_shapes(config, image_shape), program.batch_size // m
     sent = []
     for group in groups[:-1]:
-        last = layers[group.stop - 1]
-        size = -(-last.height // 2) * -(-last.width // 2) * last.features if last.kind == "conv" else last.features
+        last = [layer for layer in layers if layer.unit == group.stop - 1][-1]
+        height, width = last.next_size
+        size = height * width * last.features if last.kind == "conv" else last.features
         sent.append(2 * m * micro * size * 4 // data_ways)
     grads = [m * b for b in program.stage_param_bytes] if data_ways > 1 else [0] * len(groups)
     wire = [ring_wire_bytes("all-reduce", data_ways, g) for g in grads]

@@ -24,7 +24,7 @@ program.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxcnn.analysis.cost import ProgramCost, program_cost
 from jaxcnn.analysis.hardware import HardwareProfile
@@ -57,6 +57,8 @@ class Candidate:
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     error: str | None = None  # why it could not be compiled (e.g. a size that does not divide)
+    cost: ProgramCost | None = None  # what the compiled program does, before any hardware prices it
+    bubble_fraction: float = 0.0
 
     @property
     def step_seconds(self) -> float:
@@ -81,7 +83,7 @@ def _pairs(n: int) -> list[tuple[int, int]]:
 
 def candidates_for(num_devices: int, max_stages: int = 0) -> list[tuple[Layout, dict[str, int]]]:
     """Every layout x mesh factorisation worth compiling on `num_devices` (pipelines of up
-    to `max_stages` stages: one layer each at most)."""
+    to `max_stages` stages: one pipeline unit each at most)."""
     n = num_devices
     if n == 1:
         return [(LAYOUTS["single"], {ax.DATA: 1})]
@@ -112,10 +114,25 @@ def plan(
     progress=None,
 ) -> list[Candidate]:
     """All candidates, best first: those that fit by modelled step time, then the rest by memory."""
-    # simulated devices share one host: each gets 1/N of its FLOP/s
-    share = num_devices if profile.shared_host else 1
+    compiled = compile_candidates(
+        model_config, image_shape, batch_size, num_devices, layouts=layouts, progress=progress
+    )
+    return rank(price(compiled, profile, num_devices, dtype), budget_bytes)
+
+
+def compile_candidates(
+    model_config: ModelConfig,
+    image_shape: tuple[int, int, int],
+    batch_size: int,
+    num_devices: int,
+    *,
+    layouts: list[str] | None = None,
+    progress=None,
+) -> list[Candidate]:
+    """Every layout x mesh for `num_devices`, compiled (not run): memory, FLOPs and
+    collectives, which no hardware profile changes; `price` turns them into seconds."""
     out = []
-    max_stages = len(layer_shapes(model_config, image_shape))
+    max_stages = layer_shapes(model_config, image_shape)[-1].unit + 1
     todo = [(lay, m) for lay, m in candidates_for(num_devices, max_stages) if layouts is None or lay.name in layouts]
     for i, (layout, mesh_shape) in enumerate(todo):
         if progress:
@@ -132,14 +149,26 @@ def plan(
             candidate.error = str(err)
             continue
         cost = program_cost(program)
-        stretch = 1 / (1 - program.bubble_fraction)  # (M+S-1)/M: a pipeline stage idles in the bubble
+        candidate.cost, candidate.bubble_fraction = cost, program.bubble_fraction
         candidate.peak_bytes = cost.peak_bytes
         candidate.param_bytes, candidate.optimizer_bytes = cost.param_bytes, cost.optimizer_bytes
         candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes
         candidate.num_collectives = cost.num_collectives
-        candidate.compute_seconds = cost.flops / (profile.flops(dtype) / share) * stretch
-        candidate.comm_seconds = comm_seconds(cost, profile, num_devices)
-    return rank(out, budget_bytes)
+    return out
+
+
+def price(candidates: list[Candidate], profile: HardwareProfile, num_devices: int, dtype: str) -> list[Candidate]:
+    """The candidates with modelled compute and communication seconds on `profile` (copies)."""
+    share = num_devices if profile.shared_host else 1  # simulated devices share one host's FLOP/s
+    priced = []
+    for candidate in candidates:
+        candidate = replace(candidate)
+        if candidate.cost is not None:
+            stretch = 1 / (1 - candidate.bubble_fraction)  # (M+S-1)/M: a pipeline stage idles in the bubble
+            candidate.compute_seconds = candidate.flops / (profile.flops(dtype) / share) * stretch
+            candidate.comm_seconds = comm_seconds(candidate.cost, profile, num_devices)
+        priced.append(candidate)
+    return priced
 
 
 def rank(candidates: list[Candidate], budget_bytes: float) -> list[Candidate]:

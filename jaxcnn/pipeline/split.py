@@ -1,9 +1,10 @@
 """Where the pipeline cuts the model: layer groups balanced by FLOPs, the stage modules,
 the stages' sub-meshes, and how many micro-batches a step streams through them.
 
-The split into S groups balances modelled FLOPs (forward + backward, from the layer
-shapes), because equal stage times are what keep the bubble at its formula
-(jaxcnn.pipeline.schedule); `--stage-split` overrides it.
+The model is cut between its pipeline units (a CNN's layers; a ResNet's stem, residual
+blocks and head, so a block and its shortcut stay together). The split into S groups
+balances modelled FLOPs (forward + backward, from the layer shapes), because equal
+stage times are what keep the bubble at its formula (jaxcnn.pipeline.schedule); `--stage-split` overrides it.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ from jax.sharding import AxisType, Mesh
 
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
-from jaxcnn.models import LayerShape, layer_shapes
+from jaxcnn.models import layer_shapes
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import constrain
 
 
-def layer_flops(layer: LayerShape) -> float:
-    """Forward FLOPs per image (x3 for forward + backward is the same for every layer)."""
-    if layer.kind == "conv":
-        return 2.0 * layer.height * layer.width * 9 * layer.in_features * layer.features
-    return 2.0 * layer.in_features * layer.features
+def unit_costs(config: ModelConfig, image_shape) -> list[float]:
+    """Forward FLOPs per image of each pipeline unit (a CNN layer; a ResNet's stem, residual
+    block or head): x3 for forward + backward is the same for every unit."""
+    layers = layer_shapes(config, image_shape)
+    costs = [0.0] * (layers[-1].unit + 1)
+    for layer in layers:
+        costs[layer.unit] += layer.flops
+    return costs
 
 
 def balance(costs: list[float], stages: int) -> tuple[int, ...]:
@@ -46,20 +50,21 @@ def balance(costs: list[float], stages: int) -> tuple[int, ...]:
 
 
 def stage_groups(config: ModelConfig, image_shape, stages: int, split: tuple[int, ...] | None) -> list[range]:
-    layers = layer_shapes(config, image_shape)
-    if stages > len(layers):
+    costs = unit_costs(config, image_shape)
+    units = len(costs)
+    if stages > units:
         raise UserError(
-            f"a pipeline of {stages} stages needs at least {stages} layers, but {config.name} has {len(layers)}; "
-            f"use --mesh stage={len(layers)} or fewer"
+            f"a pipeline of {stages} stages needs at least {stages} layers, but {config.name} has {units} "
+            f"(a ResNet's stem, each residual block and its head count one each); use --mesh stage={units} or fewer"
         )
     if split is None:
-        split = balance([layer_flops(layer) for layer in layers], stages)
-    elif len(split) != stages - 1 or list(split) != sorted(set(split)) or not all(0 < c < len(layers) for c in split):
+        split = balance(costs, stages)
+    elif len(split) != stages - 1 or list(split) != sorted(set(split)) or not all(0 < c < units for c in split):
         raise UserError(
             f"--stage-split {','.join(map(str, split))} must give {stages - 1} increasing layer indices "
-            f"between 1 and {len(layers) - 1} (the first layer of each later stage)"
+            f"between 1 and {units - 1} (the first layer of each later stage)"
         )
-    edges = (0, *split, len(layers))
+    edges = (0, *split, units)
     return [range(a, b) for a, b in itertools.pairwise(edges)]
 
 
@@ -78,26 +83,16 @@ def default_microbatches(batch_size: int, stages: int) -> int:
 
 
 class Stage(nnx.Module):
-    """Layers `group` of the CNN (sharing its submodules, so its initial values)."""
+    """Pipeline units `group` of the model (sharing its submodules, so its initial values)."""
 
     def __init__(self, model, group: range):
-        num_blocks, num_dense = len(model.blocks), len(model.dense)
-        self.blocks = nnx.List([model.blocks[i] for i in group if i < num_blocks])
-        self.dense = nnx.List([model.dense[i - num_blocks] for i in group if i >= num_blocks])
-        self.dropout = model.dropout
-        self.flattens = group.start <= num_blocks <= group.stop - 1  # holds dense 0
-        self.hidden = tuple(i - num_blocks < num_dense - 1 for i in group if i >= num_blocks)  # ReLU + dropout after?
+        units = model.pipeline_units()
+        self.units = nnx.List([units[i] for i in group])
 
     def __call__(self, x, *, train: bool, rngs: nnx.Rngs | None = None):
         x = constrain(x, ax.IMAGE_BHWC if x.ndim == 4 else ax.FEATURES_BF)
-        for block in self.blocks:
-            x = block(x, train)
-        if self.flattens:
-            x = constrain(x.reshape(x.shape[0], -1), ax.FEATURES_BF)
-        for layer, hidden in zip(self.dense, self.hidden, strict=True):
-            x = layer(x)
-            if hidden:
-                x = constrain(self.dropout(nnx.relu(x), deterministic=not train, rngs=rngs), ax.FEATURES_BF)
+        for unit in self.units:
+            x = unit(x, train, rngs)
         return x
 
 

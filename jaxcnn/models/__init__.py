@@ -1,0 +1,55 @@
+"""The model families, in Flax NNX, naming logical axes only: the VGG-like
+`cnn2d_<N>layer_fullconnected_<M>layer` (jaxcnn.models.cnn) and ResNet-18/34/50
+(jaxcnn.models.resnet). Both describe themselves as `LayerShape`s (`layer_shapes`), the
+one description the analytic cost and communication models and the pipeline's split
+read, and both run as a sequence of `pipeline_units()`."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxcnn.config import ModelConfig
+from jaxcnn.models.cnn import CNN, ConvBlock, cnn_layer_shapes, conv_channel_spaces
+from jaxcnn.models.parts import LayerShape, remat_policy
+from jaxcnn.models.resnet import ResNet, resnet_layer_shapes
+
+__all__ = [
+    "CNN",
+    "ConvBlock",
+    "LayerShape",
+    "ResNet",
+    "build_model",
+    "conv_channel_spaces",
+    "count_params",
+    "cross_entropy",
+    "layer_shapes",
+    "remat_policy",
+]
+
+
+def layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int]) -> list[LayerShape]:
+    """Every conv and dense layer of the model on images of `image_shape`, in order."""
+    return (resnet_layer_shapes if config.is_resnet else cnn_layer_shapes)(config, image_shape)
+
+
+def build_model(config: ModelConfig, image_shape: tuple[int, int, int], seed: int) -> CNN | ResNet:
+    """The model with initial weights from `seed`. Call it under `jax.jit`/`nnx.eval_shape`
+    to create state where it will live: jaxcnn never builds the model on one device and then
+    scatters it (`jaxcnn.spmd` jits `init` with out_shardings)."""
+    family = ResNet if config.is_resnet else CNN
+    with nnx.use_eager_sharding(False):  # placement comes from the layout, not from flax
+        return family(config, image_shape, rngs=nnx.Rngs(params=seed))
+
+
+def count_params(model: nnx.Module) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def cross_entropy(logits_BK: jax.Array, labels_B: jax.Array) -> jax.Array:
+    """Per-example softmax cross-entropy, computed in fp32."""
+    logits_BK = logits_BK.astype(jnp.float32)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits_BK), labels_B[:, None], axis=-1)[:, 0]
