@@ -46,7 +46,9 @@ def main(argv=None):
     if args.devices < 1:
         raise UserError(f"--devices must be at least 1, got {args.devices}")
     budget = parse_bytes(args.budget)
-    profiles = [get_profile(name) for name in cli.name_list(args.hardware)]
+    profiles = [get_profile(name) for name in dict.fromkeys(cli.name_list(args.hardware))]
+    if not profiles:
+        raise UserError(f"--hardware names no profile; use one or more of {', '.join(PROFILES)}")
     model_config = cli.model_from_flags(args)
     (out,) = cli.writable_outputs(args.out)
     cli.layouts_from_flag(args.layouts, skip=(FSDP_TP.name,))  # an unknown name fails here, naming the known ones

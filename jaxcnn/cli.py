@@ -156,7 +156,8 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--stage-split",
         type=int_list,
-        help="pipeline: first layer of each stage after the first, e.g. 2,4 (default: balanced by FLOPs)",
+        help="pipeline: first layer (a ResNet: unit, the stem 0, blocks 1..N) of each stage after the first, "
+        "e.g. 2,4 (default: balanced by FLOPs)",
     )
     g.add_argument(
         "--print-shardings",

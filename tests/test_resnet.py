@@ -12,7 +12,7 @@ import pytest
 from conftest import bundled_digits, compiled_program, train_losses
 from flax import nnx
 
-from jaxcnn.analysis.comm_model import spatial_plan
+from jaxcnn.analysis.comm_model import modelled_comm, spatial_plan
 from jaxcnn.analysis.hlo import collectives, kinds_seen
 from jaxcnn.analysis.lint import classify
 from jaxcnn.build import build_program
@@ -26,7 +26,7 @@ from jaxcnn.sharding.partition import NAMES_KEY
 
 STEPS = 6
 BASIC = ModelConfig(name="resnet_tiny")  # 8 and 16 channels: an identity block, then a stride-2 projection block
-BOTTLENECK = ModelConfig(name="resnet_tiny_bottleneck")  # widths 4, 8 -> 16, 32 channels out
+BOTTLENECK = ModelConfig(name="resnet_tiny_bottleneck")  # widths 8, 16 -> 32, 64 channels out
 
 
 def abstract(config: ModelConfig, image_shape) -> ResNet:
@@ -201,3 +201,25 @@ def test_spatial_exchanges_halos_and_gathers_only_where_the_height_stops_dividin
     for c in found:
         if c.kind == "collective-permute":
             assert c.group_size == 2 and all(s[0] == 16 and s[1] <= 2 for s in c.shapes)  # a row or two of halo
+
+
+@pytest.mark.parametrize(
+    ("model", "image_shape", "mesh"),
+    [
+        (BASIC, (8, 8, 1), {"data": 4, "spatial": 2}),  # block 1 keeps 2 rows a shard: the pool all-reduces
+        (BASIC, (8, 8, 1), {"data": 2, "spatial": 4}),  # block 1's 4 rows are gathered
+        (replace(BASIC, stem="imagenet"), (48, 48, 3), {"data": 4, "spatial": 2}),  # the 7x7/2 stem and its pool
+        (replace(BOTTLENECK, stem="imagenet"), (48, 48, 3), {"data": 4, "spatial": 2}),
+    ],
+    ids=["pool-all-reduce", "gather", "stem", "bottleneck-stem"],
+)
+def test_spatial_collectives_are_the_ones_the_comm_model_predicts(model, image_shape, mesh):
+    """Every halo, gather and reduction, kind by kind, byte for byte: the model knows what
+    a 7x7 stride-2 conv, a 3x3 stride-2 pool and global average pooling exchange."""
+    program = compiled_program(get_layout("spatial"), mesh, model, steps=STEPS, image_shape=image_shape)
+    measured = {}
+    for c in collectives(program.train_step.as_text(), program.mesh.size):
+        measured[c.kind] = measured.get(c.kind, 0) + c.buffer_bytes * c.repeats
+    modelled = modelled_comm(program, model, image_shape)
+    assert measured.get("collective-permute", 0) > 0
+    assert {kind: modelled[kind] for kind in measured} == pytest.approx(measured, rel=1e-9)

@@ -20,16 +20,23 @@ degree (`height`), G = D x S the devices holding different data for one paramete
   `spatial` and then over `data` (two all-reduces); the dense head, fed the gathered
   activation, only over `data`.
 - FSDP: one all-gather of each split parameter per step (gathered once, kept for backward).
-- batch norm, if G > 1: per layer 4 x C_local x f (once per axis, as gradients) (forward: sum and sum of squares;
-  backward: the two matching reductions of the cotangent), C_local = C / M when split.
+- batch norm, if G > 1: per layer 4 x C_local x f (once per axis, as gradients): forward the
+  mean, then the variance (two-pass: two all-reduces); backward the two matching reductions
+  of the cotangent. C_local = C / M when split.
 - tensor parallelism, M > 1: every row layer all-reduces its output activation forward
-  (B/D x H x W x C_out x f); every column layer whose input needs a gradient all-reduces
-  that gradient backward (B/D x H x W x C_in x f).
-- spatial, S > 1: a 3x3 SAME conv on a height-split input needs one row from each
-  neighbour: forward 2 x (B/D x W x C_in x f); backward the input gradient needs the
-  output gradient's halo rows 2 x (B/D x W x C_out x f) (not for the first conv), and
-  the weight gradient the input's halo rows again 2 x (B/D x W x C_in x f). The flatten
-  all-gathers the last pooled activation over `spatial` (B/D x H x W x C x f).
+  (B/D x H_out x W_out x C_out x f); every column layer whose input needs a gradient
+  all-reduces that gradient backward (B/D x H x W x C_in x f).
+- spatial, S > 1 (`spatial_plan`): a k x k conv of stride t on a height-split input needs
+  k - t rows of its input from the neighbours, forward and again for the weight gradient
+  (B/D x W x C_in x f a row), and ceil((k - t) / t) rows of its output's gradient for the
+  input gradient (not for the first conv). A ResNet stem's 3x3 stride-2 max-pool: one row
+  forward; backward XLA's select-and-scatter takes 3 rows of its padded operand (width
+  W + 2) and one row of the output gradient -- on a spatial degree of 2. On more, XLA
+  re-pads the operand with further exchanges (resnet_tiny, 64x64x3, 4-way: measured 1.3x
+  the model's permutes), and where the pool's output height stops dividing it re-balances
+  rows; neither is modelled. Where a height stops dividing (or before a
+  CNN's flatten) the activation is all-gathered, an uneven split padded to equal shards;
+  a ResNet's global average pool over split rows all-reduces its partial sums.
 
 Not modelled (small, stated so the ratios can be read): under tp, a column layer's
 batch-norm vectors are gathered from their split channels (8 x C x f per such layer).
@@ -132,15 +139,13 @@ def spatial_plan(
     layers: list[LayerShape], s: int, local_batch: float, itemsize: int
 ) -> tuple[list[bool], list[CommTerm]]:
     """Which layers see a height-split input under a spatial degree `s`, and the halo
-    exchanges and gathers that costs.
+    exchanges, gathers and reductions that costs (module docstring).
 
     The model constrains the image and every unit's output (a CNN block, a ResNet stem or
-    block); a height stays split while each shard keeps 2 rows (partition.spatial_split_ok)
-    and is all-gathered where it stops and before a CNN's flatten; a ResNet's global average
-    pool over split rows all-reduces its partial sums. Inside a unit the convs
-    share its input's split. A k x k conv of stride t on split rows needs k - t rows of its
-    input from the neighbours (forward, and again for the weight gradient) and, for the
-    input gradient, ceil((k - t) / t) rows of its output's gradient."""
+    block) to the layout, which splits a height only while each shard keeps 2 rows
+    (partition.spatial_split_ok), checked anew at each boundary; inside a unit the convs
+    share its input's split. A unit's output is its last layer's (a ResNet block lists its
+    projection last, with the block's output shape)."""
     terms: list[CommTerm] = []
     if s == 1:
         return [False] * len(layers), terms
@@ -151,31 +156,39 @@ def spatial_plan(
             split_input.append(False)
             continue
         split_input.append(unit_input.setdefault(layer.unit, split))
-        last_of_unit = i + 1 == len(layers) or layers[i + 1].unit != layer.unit
-        if not last_of_unit:
-            continue
+        if i + 1 < len(layers) and layers[i + 1].unit == layer.unit:
+            continue  # not the unit's last layer
         out_h, out_w = layer.next_size
-        whole = local_batch * out_h * out_w * layer.features * itemsize
-        flattens = layer.pool == 2 and layers[i + 1].kind == "dense"  # a CNN's last block
-        still = split and spatial_split_ok(out_h, s) and layers[i + 1].kind == "conv"
-        if split and (flattens or not spatial_split_ok(out_h, s)):
-            terms.append(CommTerm("all-gather", "activation gathered where its height stops splitting", s, whole))
-        elif split and not still:  # a ResNet's global average pool: partial sums of the split rows
-            pooled = local_batch * layer.features * itemsize
-            terms.append(CommTerm("all-reduce", "global average pool over split rows", s, pooled))
+        divides = spatial_split_ok(out_h, s)
+        nxt = layers[i + 1].kind
+        still = divides and nxt == "conv"
+        if split and not still:
+            if nxt == "dense" and divides and layer.pool != 2:  # a ResNet's global average pool
+                pooled = local_batch * layer.features * itemsize
+                terms.append(CommTerm("all-reduce", "global average pool over split rows", s, pooled))
+            else:  # an uneven split is padded to equal shards, then gathered
+                rows = -(-out_h // s) * s
+                whole = local_batch * rows * out_w * layer.features * itemsize
+                terms.append(CommTerm("all-gather", "activation gathered where its height stops splitting", s, whole))
         split = still
     for i, (layer, on_split) in enumerate(zip(layers, split_input, strict=True)):
-        if not on_split or layer.kernel <= layer.stride:
+        if not on_split:
             continue
-        rows = layer.kernel - layer.stride
-        row_in = local_batch * layer.width * layer.in_features * itemsize
-        row_out = local_batch * layer.out_width * layer.features * itemsize
-        terms.append(CommTerm("collective-permute", "halo rows, forward", 2, rows * row_in))
-        terms.append(CommTerm("collective-permute", "halo rows, weight gradient", 2, rows * row_in))
-        if i > 0:
-            terms.append(
-                CommTerm("collective-permute", "halo rows, input gradient", 2, -(-rows // layer.stride) * row_out)
-            )
+        if layer.kernel > layer.stride:
+            rows = layer.kernel - layer.stride
+            row_in = local_batch * layer.width * layer.in_features * itemsize
+            row_out = local_batch * layer.out_width * layer.features * itemsize
+            terms.append(CommTerm("collective-permute", "halo rows, forward", 2, rows * row_in))
+            terms.append(CommTerm("collective-permute", "halo rows, weight gradient", 2, rows * row_in))
+            if i > 0:
+                grad_rows = -(-rows // layer.stride)
+                terms.append(CommTerm("collective-permute", "halo rows, input gradient", 2, grad_rows * row_out))
+        if layer.pool == 3:  # the stem's 3x3 stride-2 max-pool, on the conv's split output
+            row = local_batch * layer.features * itemsize
+            pooled_w = layer.next_size[1]
+            terms.append(CommTerm("collective-permute", "pool halo, forward", 2, row * layer.out_width))
+            terms.append(CommTerm("collective-permute", "pool halo, backward", 2, 3 * row * (layer.out_width + 2)))
+            terms.append(CommTerm("collective-permute", "pool halo, output gradient", 2, row * pooled_w))
     return split_input, terms
 
 

@@ -79,6 +79,7 @@ class LayerShape:
     path: str = ""  # the layer's module in the model's state, e.g. "blocks/1/conv"
     norm_path: str = ""  # its norm's, if any
     unit: int = 0  # the pipeline unit (a CNN layer, a ResNet stem / block / head) it belongs to
+    shortcut: bool = False  # a ResNet block's projection: listed after the block's convs, with their output shape
 
     @property
     def out_height(self) -> int:

@@ -3,8 +3,8 @@ bottleneck strides on its 3x3 conv), naming logical axes only.
 
 Tensor parallelism comes from the names, as in the CNN family (jaxcnn.models.cnn): the
 residual stream is a `conv_in` space, which `tp` keeps whole. Inside a block the convs
-form a Megatron column -> row pair: the first conv that widens into a `conv_out` space
-splits its output channels, the block's last conv splits its input channels and ends in
+form a Megatron column -> row pair: the conv whose output is a `conv_out` space splits
+its output channels, the block's last conv splits its input channels and ends in
 partial sums, so each block all-reduces once, before its batch norm and the add; its
 input gradient is all-reduced once in the backward pass. A basic block is exactly that
 pair. A bottleneck's first 1x1 conv (conv_in -> conv_in) stays whole and computed on every
@@ -30,9 +30,14 @@ from jaxcnn.sharding.partition import constrain
 
 BOTTLENECK_EXPANSION = 4
 # torchvision's initialisation: convs kaiming-normal over fan-out (ReLU gain), the
-# classifier's kernel uniform in +-1/sqrt(fan_in)
+# classifier's kernel and bias uniform in +-1/sqrt(fan_in); norms scale 1, bias 0
 CONV_INIT = jax.nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 DENSE_INIT = jax.nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
+
+
+def uniform_bias(fan_in: int):
+    bound = fan_in**-0.5
+    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
 def resnet_layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int]) -> list[LayerShape]:
@@ -66,7 +71,7 @@ def resnet_layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int]) 
             if stride != 1 or in_features != out:
                 layers.append(LayerShape("conv", in_features, out, ax.CONV_IN, ax.CONV_IN, height, width, kernel=1,
                                          stride=stride, path=f"blocks/{unit - 1}/shortcut/conv",
-                                         norm_path=f"blocks/{unit - 1}/shortcut/norm", unit=unit))  # fmt: skip
+                                         norm_path=f"blocks/{unit - 1}/shortcut/norm", unit=unit, shortcut=True))  # fmt: skip
             (height, width), in_features, unit = (h, w), out, unit + 1
     layers.append(LayerShape("dense", in_features, config.num_classes, ax.EMBED, ax.CLASSES, path="head/fc", unit=unit))
     return layers
@@ -123,12 +128,12 @@ class ResidualBlock(nnx.Module):
 
     def __init__(self, layers: list[LayerShape], config: ModelConfig, rngs: nnx.Rngs):
         self.remat, self.remat_names = config.remat, config.remat_names
-        convs = [layer for layer in layers if "shortcut" not in layer.path]
+        convs = [layer for layer in layers if not layer.shortcut]
         self.depth = len(convs)
         for i, layer in enumerate(convs, start=1):  # conv1, norm1, ...: torchvision's names
             setattr(self, f"conv{i}", _conv(layer, config, rngs))
             setattr(self, f"norm{i}", _norm(layer, config, rngs))
-        projection = [layer for layer in layers if "shortcut" in layer.path]
+        projection = [layer for layer in layers if layer.shortcut]
         self.shortcut = Projection(projection[0], config, rngs) if projection else None
 
     def __call__(self, x_BHWC: jax.Array, train: bool, rngs: nnx.Rngs | None = None) -> jax.Array:
@@ -156,6 +161,7 @@ class Head(nnx.Module):
             kernel_metadata=named(layer.space_in, layer.space_out),
             bias_metadata=named(layer.space_out),
             kernel_init=DENSE_INIT,
+            bias_init=uniform_bias(layer.in_features),
             dtype=jnp.dtype(config.dtype),
             rngs=rngs,
         )

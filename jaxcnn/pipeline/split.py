@@ -62,7 +62,7 @@ def stage_groups(config: ModelConfig, image_shape, stages: int, split: tuple[int
     elif len(split) != stages - 1 or list(split) != sorted(set(split)) or not all(0 < c < units for c in split):
         raise UserError(
             f"--stage-split {','.join(map(str, split))} must give {stages - 1} increasing layer indices "
-            f"between 1 and {units - 1} (the first layer of each later stage)"
+            f"between 1 and {units - 1} (the first layer -- for a ResNet the first block -- of each later stage)"
         )
     edges = (0, *split, units)
     return [range(a, b) for a, b in itertools.pairwise(edges)]
