@@ -45,7 +45,7 @@ def parse_flags(argv=None):
         help="gradual warmup, in epochs as Goyal et al. (default %(default)s)",
     )
     g.add_argument("--seed", type=int, default=0)
-    cli.add_output_flags(g, out="results/batch_scaling.csv", plot="results/batch_scaling.png")
+    cli.add_output_flags(g, out="runs/batch_scaling.csv", plot="runs/batch_scaling.png")
     return parser.parse_args(argv)
 
 

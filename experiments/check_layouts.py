@@ -118,7 +118,7 @@ def parse_flags(argv=None):
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--lr", type=float, default=1e-2)
     g.add_argument("--seed", type=int, default=0)
-    cli.add_output_flags(g, out="results/layout_equivalence.csv")
+    cli.add_output_flags(g, out="runs/layout_equivalence.csv")
     return parser.parse_args(argv)
 
 

@@ -49,7 +49,7 @@ def parse_flags(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="warm steps timed per row (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the steps are split into")
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-process rows")
-    cli.add_output_flags(parser, out="results/compare_backends.csv")
+    cli.add_output_flags(parser, out="runs/compare_backends.csv")
     return parser.parse_args(argv)
 
 

@@ -4,7 +4,7 @@ with the compiled HLO, and the host page faults per step.
 python experiments/profile_step.py                   # default model, 28x28x1, batch 128
 python experiments/profile_step.py --size 224 --top 15
 
-Writes results/profile_<size>.csv (one row per op, slowest first) and profile_<size>.json
+Writes runs/profile_<size>.csv (one row per op, slowest first) and profile_<size>.json
 (the step's summary: traced step time, thread time in ops and outside them -- XLA:CPU's
 Eigen convolutions run as untraced tasks -- page faults per step, temp buffer bytes). The
 trace itself goes to --trace-dir, for TensorBoard's or Perfetto's trace viewer.
@@ -32,7 +32,7 @@ def parse_flags(argv=None):
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--steps", type=int, default=5, help="steps traced (default %(default)s)")
     parser.add_argument("--top", type=int, default=12, help="ops printed (all are written)")
-    parser.add_argument("--out-dir", default="results")
+    parser.add_argument("--out-dir", default="runs")
     parser.add_argument("--trace-dir", default=None, help="where the trace goes (default: a temporary folder)")
     return parser.parse_args(argv)
 

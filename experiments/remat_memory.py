@@ -36,7 +36,7 @@ def parse_flags(argv=None):
     g.add_argument("--batch-size", type=int, default=16, help="global batch (default %(default)s)")
     g.add_argument("--policies", default=",".join(REMAT_POLICIES), help="comma-separated --remat policies")
     g.add_argument("--steps", type=int, default=3, help="steps to time per policy (0: compile only)")
-    cli.add_output_flags(g, out="results/remat_memory.csv", plot="results/remat_memory.png")
+    cli.add_output_flags(g, out="runs/remat_memory.csv", plot="runs/remat_memory.png")
     return parser.parse_args(argv)
 
 

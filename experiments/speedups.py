@@ -7,7 +7,7 @@ Each variant runs in its own process (the host-malloc settings only take effect 
 JAX starts), and the processes alternate over --rounds rounds, so a drift in the machine's
 speed hits every variant alike. The first three are cumulative, from JAX's defaults to
 what jaxcnn does; the rest are tried on top of jaxcnn's settings and were not adopted.
-Writes results/speedups.csv: per size and variant the median warm step, images/s and the
+Writes runs/speedups.csv (--out): per size and variant the median warm step, images/s and the
 speed-up over JAX's defaults.
 """
 
@@ -47,7 +47,7 @@ def parse_flags(argv=None):
     parser.add_argument("--sizes", default="28,224", help=f"some of {', '.join(SIZES)}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", default="15,5", help="warm steps per process, per size (default %(default)s)")
-    cli.add_output_flags(parser, out="results/speedups.csv")
+    cli.add_output_flags(parser, out="runs/speedups.csv")
     parser.add_argument("--child", default=None, help=cli.argparse.SUPPRESS)
     return parser.parse_args(argv)
 

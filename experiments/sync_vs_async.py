@@ -49,7 +49,7 @@ def parse_flags(argv=None):
         "--momentum", type=float, default=0.0, help="sgd momentum; a delay acts like more of it (default %(default)s)"
     )
     g.add_argument("--seed", type=int, default=0)
-    cli.add_output_flags(g, out="results/sync_vs_async.csv", plot="results/sync_vs_async.png")
+    cli.add_output_flags(g, out="runs/sync_vs_async.csv", plot="runs/sync_vs_async.png")
     return parser.parse_args(argv)
 
 

@@ -50,8 +50,10 @@ def check_checkpoint_flags(directory: str | Path, every: int, keep: int) -> None
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, every: int, keep: int = 3, asynchronous: bool = True):
-        check_checkpoint_flags(directory, every, keep)
+    """`every` N steps and at the run's end; `every` None: only when asked (a Ctrl-C save)."""
+
+    def __init__(self, directory: str | Path, every: int | None, keep: int = 3, asynchronous: bool = True):
+        check_checkpoint_flags(directory, every or 1, keep)
         self.directory = Path(directory).absolute()
         self.every = every
         options = ocp.CheckpointManagerOptions(
@@ -62,8 +64,9 @@ class Checkpointer:
         except OSError as err:
             raise UserError(f"cannot use --checkpoint-dir {directory}: {err.strerror or err}") from None
 
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether to save at `step` (`last`: the run's final step)."""
+        return bool(self.every) and (last or step % self.every == 0)
 
     def save(self, step: int, state, record: dict) -> None:
         """Start saving (returns once the arrays are copied off the devices)."""

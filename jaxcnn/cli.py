@@ -24,6 +24,7 @@ from jaxcnn.config import (
     DEFAULT_MODEL,
     DTYPES,
     IMAGENET_STEM_FROM,
+    LAYOUT_NAMES,
     LR_SCALINGS,
     NORMS,
     OPTIMIZERS,
@@ -43,8 +44,32 @@ from jaxcnn.errors import UserError
 DEFAULT_SIMULATED_DEVICES = 8
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and every flag's default at the end of its help
+    (argparse's ArgumentDefaultsHelpFormatter skips flags that have no help text)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text.lower():
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            shown = "off"
+        elif action.default is None or action.default == ():
+            shown = "none"
+        elif isinstance(action.default, tuple):
+            shown = ",".join(":".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in action.default)
+        else:
+            shown = str(action.default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
 class FlagParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr (exit 2), not usage + error."""
+    """argparse, but a bad flag is one line on stderr (exit 2), not usage + error, and
+    --help shows every flag's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -229,7 +254,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 def experiment_parser(prog: str, doc: str | None) -> FlagParser:
     """An experiment script's parser: its docstring, as written, as the description."""
-    return FlagParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return FlagParser(prog=prog, description=doc)
 
 
 def add_output_flags(group, out: str | None = None, plot: str | None = None, out_help: str | None = None) -> None:
@@ -253,9 +278,7 @@ def add_layout_flags(group, layout: str = "single", mesh: str | None = None, mes
 
 def add_layouts_flag(group, default: str | None = None, help: str = "comma-separated") -> None:
     """--layouts, a comma-separated list (default None: every named layout but `single`)."""
-    from jaxcnn.sharding import LAYOUTS
-
-    every = ",".join(n for n in LAYOUTS if n != "single")
+    every = ",".join(n for n in LAYOUT_NAMES if n != "single")
     group.add_argument("--layouts", default=every if default is None else default, help=help)
 
 

@@ -45,6 +45,9 @@ NORMS = ("none", "batch", "group")
 REMAT_POLICIES = ("none", "full", "dots", "names")
 REMAT_NAMES = ("conv", "norm", "relu")  # the activations a conv block tags (checkpoint_name)
 DTYPES = ("float32", "bfloat16")
+# the named layouts (jaxcnn.sharding.layouts.LAYOUTS, which a test holds to this), for flag
+# parsing that must not import the sharding package (it starts JAX)
+LAYOUT_NAMES = ("single", "dp", "fsdp", "tp", "hybrid", "spatial", "pipeline")
 DIVERGENCE_FACTOR = 10.0  # a training loss above this many times step 1's counts as diverged (fit warns)
 
 

@@ -7,14 +7,22 @@ record what happened.
 
 Batches come from the data package's `Loader` (a grain pipeline over the whole run: order,
 read, augment, prefetch); the loop places them, steps, collects metrics and keeps the books.
+Progress is a bar on a terminal and one line per epoch in a log. With `interruptible`, a
+Ctrl-C stops the run after the step in flight: the state is saved (`Interrupted`) and the
+run can continue from it exactly; a second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import signal
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -74,6 +82,39 @@ class NonFiniteLoss(UserError):
     """The training loss became NaN or infinite (the run stops; checkpoints stay good)."""
 
 
+class Interrupted(Exception):
+    """Ctrl-C: the run stopped between two steps. `result` is what it had done (no final
+    evaluation); `saved_to` the checkpoint directories its state was saved in."""
+
+    def __init__(self, result: FitResult, saved_to: list):
+        super().__init__(f"interrupted at step {result.steps}")
+        self.result, self.saved_to = result, saved_to
+
+
+@contextlib.contextmanager
+def interrupt_requests(enabled: bool) -> Iterator[Callable[[], bool]]:
+    """While open, the first SIGINT only raises a flag (read by calling the yielded function),
+    so the loop can stop at a step boundary and save; the second exits the process at once."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    requested = []
+
+    def handler(signum, frame):
+        if requested:
+            print("interrupted again: exiting now, without saving", file=sys.stderr, flush=True)
+            os._exit(130)
+        requested.append(signum)
+        print("\ninterrupted: stopping after this step to save (Ctrl-C again to exit at once)", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(requested)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @dataclass
 class Resume:
     """Where a restored run continues: its step and what it had recorded so far."""
@@ -123,6 +164,9 @@ def fit(
     checkpointer=None,
     resume: Resume | None = None,
     skip_nonfinite: bool = False,
+    on_epoch: Callable[[dict, list[float]], None] | None = None,
+    interruptible: bool = False,
+    interrupt_saves: Sequence = (),
 ) -> FitResult:
     """Train for the planned steps, evaluating on `test_set` after every epoch.
 
@@ -132,41 +176,52 @@ def fit(
     the state is saved every N steps and at the end; `resume` continues a restored run at
     its step, on the same data position. A non-finite loss stops the run (NonFiniteLoss,
     naming the step) before anything non-finite is saved -- unless `skip_nonfinite`,
-    where the compiled step has already skipped it.
+    where the compiled step has already skipped it. `on_epoch(row, losses)` is called after
+    each epoch's evaluation with its row and its steps' losses. `interruptible`: Ctrl-C
+    saves the state in `checkpointer` and `interrupt_saves`, then raises `Interrupted`.
     """
     if not isinstance(programs, dict):
         programs = {programs.batch_size: programs}
     loader = train if isinstance(train, Loader) else Loader(train)
     plan = epoch_steps(len(loader), config)
     books = _Books(resume or Resume(0, [], [], []), plan, config, checkpointer, skip_nonfinite)
-    interactive = sys.stderr.isatty()  # in a log, a line every 10 s rather than a redraw per step
-    bar = tqdm(
-        total=sum(plan), initial=books.step, unit="step", disable=not progress,
-        mininterval=0.1 if interactive else 10, leave=interactive,
-    )  # fmt: skip
+    total = sum(plan)
+    on_terminal = progress and sys.stdout.isatty()  # a bar to redraw; in a log, a line per epoch
+    bar = tqdm(total=total, initial=books.step, unit="step", disable=not on_terminal, mininterval=0.1)
     feeds = {size: program.feed for size, program in programs.items()}
     steps = Schedule(plan, [feeds[config.batch_for_epoch(epoch)] for epoch in range(len(plan))])
     batches = loader.batches(steps, config.seed, _loader_position(resume))
     result = None
     first_in_epoch = 0
     try:
-        for epoch, count in enumerate(plan):
-            first_in_epoch += plan[epoch - 1] if epoch else 0
-            if first_in_epoch + count <= books.step:
-                continue  # finished before the checkpoint this run resumed from
-            program = programs[config.batch_for_epoch(epoch)]
-            state, row = _train_epoch(program, state, batches, books, epoch, first_in_epoch, count, bar)
-            result = evaluate(program, state, test_set) if test_set is not None else None
-            row["test_loss"], row["test_accuracy"] = (result.loss, result.accuracy) if result else (None, None)
-            books.rows.append(row)
-            if checkpointer is not None and (checkpointer.due(books.step) or books.step == sum(plan)):
-                books.save(
-                    state, batches
-                )  # at an epoch's end: after its row, so a resumed run's results hold every epoch
-            postfix = {"epoch": epoch + 1, "loss": f"{row['train_loss']:.4f}"}
-            if row["test_accuracy"] is not None:
-                postfix["test_acc"] = f"{row['test_accuracy']:.4f}"
-            bar.set_postfix(postfix)
+        with interrupt_requests(interruptible) as stop_requested:
+            for epoch, count in enumerate(plan):
+                first_in_epoch += plan[epoch - 1] if epoch else 0
+                if first_in_epoch + count <= books.step:
+                    continue  # finished before the checkpoint this run resumed from
+                program = programs[config.batch_for_epoch(epoch)]
+                state, row = _train_epoch(
+                    program, state, batches, books, epoch, first_in_epoch, count, bar, stop_requested
+                )
+                if row is None or (stop_requested() and books.step < total):
+                    if row is not None:  # stopped between epochs: this one is whole
+                        books.rows.append(_evaluated(row, program, state, test_set)[0])
+                    saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
+                    for target in saved:
+                        if books.step not in target.steps():  # else saved at this very step already
+                            books.save(state, batches, target)
+                    bar.close()
+                    raise Interrupted(books.result(state, None), [c.directory for c in saved])
+                row, result = _evaluated(row, program, state, test_set)
+                books.rows.append(row)
+                if checkpointer is not None and checkpointer.due(books.step, last=books.step == total):
+                    books.save(state, batches)  # at an epoch's end: after its row, so a resumed run's results hold it
+                if on_epoch is not None:
+                    on_epoch(row, books.losses[first_in_epoch : first_in_epoch + count])
+                if on_terminal:
+                    bar.set_postfix(epoch=epoch + 1, loss=f"{row['train_loss']:.4f}", test_acc=row["test_accuracy"])
+                elif progress:
+                    print(epoch_line(row, len(plan), total), flush=True)
     finally:
         batches.close()
     books.input_startup_seconds = batches.startup_seconds
@@ -174,6 +229,27 @@ def fit(
     if result is None and test_set is not None:  # resumed at the very end: nothing left to train
         result = evaluate(programs[config.batch_for_epoch(len(plan) - 1)], state, test_set)
     return books.result(state, result)
+
+
+def _evaluated(row: dict, program: Program, state, test_set: Dataset | None) -> tuple[dict, Evaluation | None]:
+    """The epoch's row with its test loss and accuracy filled in (None without a test set)."""
+    result = evaluate(program, state, test_set) if test_set is not None else None
+    row["test_loss"], row["test_accuracy"] = (result.loss, result.accuracy) if result else (None, None)
+    return row, result
+
+
+def epoch_line(row: dict, epochs: int, total_steps: int) -> str:
+    """One epoch, one line: what a log shows instead of the progress bar."""
+
+    def figure(name, value, fmt):
+        return "" if value is None else f"  {name} {value:{fmt}}"
+
+    return (
+        f"epoch {row['epoch']}/{epochs}  step {row['step']}/{total_steps}  loss {row['train_loss']:.4f}"
+        f"  acc {row['train_accuracy']:.4f}" + figure("test_loss", row["test_loss"], ".4f")
+        + figure("test_acc", row["test_accuracy"], ".4f") + f"  {row['images_per_second']:,.0f} images/s"
+        f"  input wait {100 * row['input_wait_fraction']:.1f}%  {row['epoch_seconds']:.1f} s"
+    )  # fmt: skip
 
 
 def _loader_position(resume: Resume | None) -> dict | None:
@@ -190,12 +266,16 @@ def _loader_position(resume: Resume | None) -> dict | None:
     return position
 
 
-def _train_epoch(program: Program, state, batches: Batches, books: _Books, epoch: int, first: int, count: int, bar):
-    """Run epoch `epoch`'s steps from where `books` stands; (new state, the epoch's row)."""
+def _train_epoch(
+    program: Program, state, batches: Batches, books: _Books, epoch: int, first: int, count: int, bar, stop_requested
+):
+    """Run epoch `epoch`'s steps from where `books` stands; (new state, the epoch's row).
+    The row is None when a stop was requested before the epoch's last step."""
     batch, total = program.batch_size, sum(books.plan)
     todo = first + count - books.step
     pending = []
     start = time.perf_counter()
+    done = 0
     for _ in range(todo):
         images, labels = program.place_rows(*batches.next())
         state, step_metrics = program.train_step(state, images, labels)
@@ -208,7 +288,10 @@ def _train_epoch(program: Program, state, batches: Batches, books: _Books, epoch
             books.first_step_seconds = time.perf_counter() - start
         books.step += 1
         books.images_seen += batch
+        done += 1
         bar.update(1)
+        if done < todo and stop_requested():
+            break
         if books.checkpointer is not None and books.checkpointer.due(books.step) and books.step < first + count:
             books.collect(pending)  # never save a state that followed a non-finite loss
             books.save(state, batches)
@@ -218,6 +301,8 @@ def _train_epoch(program: Program, state, batches: Batches, books: _Books, epoch
     books.train_seconds += seconds
     books.stall_seconds += stall
     books.collect(pending)
+    if done < todo:
+        return state, None
     return state, {
         "epoch": epoch + 1,
         "step": books.step,
@@ -268,14 +353,17 @@ class _Books:
                 "Lower --lr, or pass --skip-nonfinite to skip such steps"
             )
 
-    def save(self, state, batches: Batches) -> None:
+    def save(self, state, batches: Batches, checkpointer=None) -> None:
+        """Save to `checkpointer` (default: the run's periodic one)."""
+        checkpointer = checkpointer or self.checkpointer
         self.fingerprint = self.fingerprint or state_fingerprint(state)
         record = {
             "step": self.step, "loss_history": self.losses, "accuracy_history": self.accuracies, "epochs": self.rows,
             "skipped_steps": self.skipped, "fingerprint": self.fingerprint, "loader": batches.position(),
         }  # fmt: skip
-        self.checkpointer.save(self.step, state, record)
-        self.saved_at = self.step
+        checkpointer.save(self.step, state, record)
+        if checkpointer is self.checkpointer:
+            self.saved_at = self.step
 
     def result(self, state, final_eval: Evaluation | None) -> FitResult:
         images_per_second = wait_fraction = None

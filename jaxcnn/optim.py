@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.config import OptimConfig, TrainConfig
+from jaxcnn.config import OptimConfig, TrainConfig, epoch_steps
 
 
 def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -71,6 +73,20 @@ def optim_for_batch(config: OptimConfig, train: TrainConfig, batch_size: int) ->
         return config
     warmup_from = min(config.learning_rate, config.learning_rate * factor) if train.lr_scaling == "linear" else 0.0
     return dataclasses.replace(config, learning_rate=config.learning_rate * factor, warmup_from=warmup_from)
+
+
+def learning_rate_at(config: OptimConfig, train: TrainConfig, train_size: int) -> Callable[[int], float]:
+    """step (0-based) -> the learning rate that step trains with, batch schedule included."""
+    plan = epoch_steps(train_size, train)
+    ends = np.cumsum(plan)
+    steps = int(ends[-1]) if len(ends) else 0
+    schedules = {b: make_schedule(optim_for_batch(config, train, b), steps) for b in train.batch_sizes}
+
+    def rate(step: int) -> float:
+        epoch = min(int(np.searchsorted(ends, step, side="right")), len(plan) - 1)
+        return float(schedules[train.batch_for_epoch(epoch)](step))
+
+    return rate
 
 
 def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, param_shardings, mesh: Mesh):

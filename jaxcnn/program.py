@@ -84,6 +84,8 @@ class Program:
     microbatches: int = 1  # pipeline: micro-batches a step streams through the stages
     layer_groups: list[range] = field(default_factory=list)  # pipeline: the model's layers each stage holds
     record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)
+    # (state) -> jaxcnn.saved_model.ModelVariables: the whole model's arrays by path, whatever the layout
+    model_variables: Any = None
     description: str = ""  # printed before training (the pipeline's stage table)
 
     @property

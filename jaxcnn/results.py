@@ -1,7 +1,8 @@
 """Result files: `<run>.json` (one object) and `<run>.csv` (one row per epoch), per DESIGN.
 
 Files are written to a temporary name and renamed into place, so a failed or interrupted
-run never leaves a half-written result over a good one.
+run never leaves a half-written result over a good one; they get the mode a plain `open`
+would (0644 under the usual umask 022), not mkstemp's private 0600.
 """
 
 from __future__ import annotations
@@ -54,11 +55,21 @@ def ensure_writable_dir(path: str | Path) -> Path:
     return path
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # what open() would create
+
+
 def _atomic_write(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -111,7 +122,9 @@ def summary_text(record: dict) -> str:
     batch = " -> ".join(str(b) for _, b in schedule) if schedule else record["global_batch_size"]
 
     def pct(x):
-        return "n/a (no labels)" if x is None else f"{100 * x:.2f}%"
+        if x is None:
+            return "n/a (interrupted)" if record.get("interrupted_at_step") else "n/a (no labels)"
+        return f"{100 * x:.2f}%"
 
     mesh = ",".join(f"{k}={v}" for k, v in record["mesh"].items())
     diverged = record.get("diverged_at_step")
@@ -119,7 +132,8 @@ def summary_text(record: dict) -> str:
         f"model           {record['model']} ({record['num_params']:,} parameters)",
         f"layout          {record['layout']}  mesh {mesh}  ({record['num_devices']} x {record['device_kind']}"
         f"{', simulated' if record.get('simulated_devices') else ''}; {record['num_processes']} process(es))",
-        f"training        {record['steps']} steps x batch {batch}, final loss {record['loss_history'][-1]:.4f}",
+        f"training        {record['steps']} steps x batch {batch}, final loss "
+        + (f"{record['loss_history'][-1]:.4f}" if record["loss_history"] else "n/a"),
         f"test accuracy   {pct(record['test_accuracy'])}"
         + (f"  (loss {record['test_loss']:.4f})" if record["test_loss"] is not None else ""),
         throughput_line(record),

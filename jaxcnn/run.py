@@ -1,5 +1,6 @@
 """One training run from its flags: check them, load the data, start the devices, compile,
-fit, write the results. `experiments/train.py` is its command line.
+fit, keep the model and write the results. `jaxcnn train` (experiments/train.py) is its
+command line.
 
     record = train(parse_flags(["--layout", "hybrid", "--mesh", "data=4,model=2"]))
 
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import jax
 
-from jaxcnn import cli, results
+from jaxcnn import cli, results, runs
 from jaxcnn.analysis.cost import program_cost
 from jaxcnn.analysis.lint import format_report, lint_program
 from jaxcnn.autobatch import largest_batch
@@ -37,37 +41,23 @@ from jaxcnn.data.datasets import BUNDLED
 from jaxcnn.data.loader import check_input_options
 from jaxcnn.distributed import cluster_from, initialize
 from jaxcnn.errors import UserError
-from jaxcnn.fit import FitResult, Resume, fit
-from jaxcnn.optim import optim_for_batch
+from jaxcnn.fit import FitResult, Interrupted, Resume, fit
+from jaxcnn.optim import learning_rate_at, optim_for_batch
+from jaxcnn.plots import curves_plot
+from jaxcnn.saved_model import save_model
 from jaxcnn.sharding import ParallelDims, build_mesh, format_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
 from jaxcnn.sharding.mesh import host_devices_for, simulate_cpu_devices
 from jaxcnn.sharding.partition import quiet_fallbacks
 from jaxcnn.steps import plan_updates
 
-PROG = "train.py"
-
-
-def parse_flags(argv=None, description: str | None = None):
-    parser = cli.FlagParser(
-        prog=PROG, description=description, formatter_class=cli.argparse.RawDescriptionHelpFormatter
-    )
-    cli.add_model_flags(parser)
-    cli.add_data_flags(parser)
-    cli.add_mesh_flags(parser)
-    cli.add_train_flags(parser)
-    cli.add_run_flags(parser)
-    g = parser.add_argument_group("output")
-    g.add_argument("--results-dir", default="results")
-    g.add_argument("--run-name", help="default: <model>-<layout>-<mesh>")
-    g.add_argument(
-        "--submission", help="where predictions for a label-free test file go (default: <results-dir>/submission.csv)"
-    )
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+PROG = "jaxcnn train"
 
 
 def train(args) -> dict:
-    """The run `args` (parse_flags) ask for; returns the result record it wrote."""
+    """The run `args` (jaxcnn.commands.train.parse_flags) ask for; returns its result record.
+
+    Everything the run leaves goes to its run directory (jaxcnn.runs). A Ctrl-C saves the
+    state there (and in --checkpoint-dir), writes the results so far and exits 130."""
     started = time.perf_counter()
     configs = cli.configs_from_flags(args)
     model_config, optim_config, train_config, update_config = configs
@@ -81,24 +71,34 @@ def train(args) -> dict:
     for note in ParallelDims(layout, mesh_shape).notes:  # the mesh has every axis the layout splits over
         warnings.warn(note, stacklevel=1)
     results_dir = results.ensure_writable_dir(args.results_dir)
+    if args.run_name:  # the default name needs the mesh; this one can be checked before anything slow
+        runs.check_run_dir(
+            results_dir / args.run_name, overwrite=args.overwrite, resume=args.resume, must_exist=not args.checkpoint_dir
+        )
     train_set, test_set = load_data(args, model_config.num_classes)
     loader = Loader(
         train_set, augment=augment, workers=input_workers(args.input_workers, train_set), depth=args.prefetch
     )
 
-    # --- devices and mesh ----------------------------------------------------------------
+    # --- devices, mesh and the run directory ----------------------------------------------
     host_devices = host_devices_for(mesh_shape, args.host_devices, cli.DEFAULT_SIMULATED_DEVICES)
     if cluster.num_processes > 1 and args.host_devices is None:  # the mesh's devices, shared by the processes
         host_devices = max(host_devices // cluster.num_processes, 1)
     simulate_cpu_devices(host_devices)
     initialize(cluster)  # jax.distributed, before any device is touched
-    checkpointer = _open_checkpoints(args)
     devices = jax.devices()
     simulated = devices[0].platform == "cpu" and len(devices) > 1
-    if simulated and args.host_devices is None and jax.process_index() == 0:
+    lead = jax.process_index() == 0
+    if simulated and args.host_devices is None and lead:
         print(f"{PROG}: no accelerator found; simulating {len(devices)} CPU devices (--host-devices N to change)")
     mesh_shape = resolve_mesh(mesh_shape, len(devices))
     mesh = build_mesh(mesh_shape, devices)
+    run_name = args.run_name or f"{model_config.name}-{layout.name}-{format_mesh(mesh_shape).replace(',', '_')}"
+    run_dir = results_dir / run_name
+    runs.check_run_dir(run_dir, overwrite=args.overwrite, resume=args.resume, must_exist=not args.checkpoint_dir)
+    if args.checkpoint_dir and Path(args.checkpoint_dir).absolute() == run_dir.absolute():
+        raise UserError(f"--checkpoint-dir {args.checkpoint_dir} is the run's own directory; give another")
+    checkpointer = _open_checkpoints(args)
 
     # --- compile and train --------------------------------------------------------------
     if budget:
@@ -122,32 +122,76 @@ def train(args) -> dict:
         update=update_config, microbatches=args.microbatches, stage_split=args.stage_split,
     )  # fmt: skip
     program = programs[train_config.batch_size]
-    if program.description and jax.process_index() == 0:
+    if program.description and lead:
         print(program.description)
-    if args.print_shardings and jax.process_index() == 0:
+    if args.print_shardings and lead:
         print(format_report(lint_program(program)))
+    tensorboard = keep_on_interrupt = interrupted = None
     try:
-        state, resume = start_state(program, checkpointer, args.resume)
+        if args.resume and not args.checkpoint_dir:  # what an earlier Ctrl-C saved
+            keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
+        state, resume = start_state(program, checkpointer or keep_on_interrupt, args.resume)
+        # the run directory is made (or replaced, with --overwrite) once nothing is left to refuse
+        runs.prepare_run_dir(results_dir, run_name, overwrite=args.overwrite, resume=args.resume, create=lead)
+        if lead:
+            runs.write_config(run_dir, args)
+            learning_rate = learning_rate_at(optim_config, train_config, len(train_set))
+            tensorboard = runs.TensorBoardLog(run_dir / runs.TENSORBOARD, learning_rate)
+        if keep_on_interrupt is None and not layout.stage_axis and cluster.num_processes == 1:
+            # where a Ctrl-C saves the state (a pipeline's lives per stage: it cannot be saved yet)
+            keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
         outcome = fit(
-            programs, state, loader, test_set, train_config, progress=not args.quiet and jax.process_index() == 0,
+            programs, state, loader, test_set, train_config, progress=not args.quiet and lead,
             checkpointer=checkpointer, resume=resume, skip_nonfinite=update_config.skip_nonfinite,
+            on_epoch=tensorboard.epoch if tensorboard else None, interruptible=cluster.num_processes == 1,
+            interrupt_saves=[keep_on_interrupt] if keep_on_interrupt else [],
         )  # fmt: skip
+    except Interrupted as stop:
+        outcome, interrupted = stop.result, stop
     finally:
-        if checkpointer is not None:
-            checkpointer.close()  # saves in flight finish, even when the run stops on an error
+        for saver in (checkpointer, keep_on_interrupt):
+            if saver is not None:
+                saver.close()  # saves in flight finish, even when the run stops on an error
+        if tensorboard is not None:
+            tensorboard.close()
 
-    # --- results --------------------------------------------------------------------------
+    # --- results: the model, the record, the curves -----------------------------------------
     record = run_record(args, configs, programs, train_config, outcome, loader, test_set)
+    record["run_dir"] = str(run_dir)
+    record["interrupted_at_step"] = outcome.steps if interrupted else None
+    if not interrupted:
+        save_model(run_dir / runs.MODEL, program.model_variables(outcome.state))  # every process: a collective
     record["wall_seconds"] = time.perf_counter() - started
-    if jax.process_index() == 0:
-        run_name = args.run_name or f"{model_config.name}-{layout.name}-{format_mesh(mesh_shape).replace(',', '_')}"
-        written = list(results.write_run(results_dir, run_name, record, outcome.epochs))
-        if test_set.labels is None:
-            submission = args.submission or results_dir / "submission.csv"
+    if lead:
+        written = list(results.write_run(run_dir, run_name, record, outcome.epochs))
+        if outcome.loss_history:
+            written.append(curves_plot(outcome.loss_history, outcome.epochs, run_dir / runs.CURVES, run_name))
+        if test_set.labels is None and not interrupted:
+            submission = args.submission or run_dir / runs.SUBMISSION
             written.append(results.write_submission(submission, outcome.final_eval.predictions))
+        if keep_on_interrupt is not None and not interrupted:
+            shutil.rmtree(run_dir / runs.CHECKPOINTS, ignore_errors=True)  # finished: the model replaces it
         print(results.summary_text(record))
-        print("wrote         ", ", ".join(map(str, written)))
+        kept = [runs.TENSORBOARD] if interrupted else [runs.MODEL, runs.TENSORBOARD]
+        print("wrote         ", run_dir, f"({', '.join([p.name for p in written] + [k + '/' for k in kept])})")
+        if interrupted:
+            _stopped(args, run_dir, outcome, interrupted.saved_to)
+    if interrupted:
+        sys.exit(130)
     return record
+
+
+def _stopped(args, run_dir: Path, outcome: FitResult, saved_to: list) -> None:
+    """What a Ctrl-C leaves, and the command that continues the run."""
+    if not saved_to:
+        print(f"{PROG}: interrupted at step {outcome.steps}: results so far in {run_dir}; a pipeline run's state "
+              "cannot be saved yet, so it cannot be resumed", file=sys.stderr)  # fmt: skip
+        return
+    again = f"jaxcnn train --resume --run-name {run_dir.name} --results-dir {run_dir.parent}"
+    if args.checkpoint_dir:
+        again += f" --checkpoint-dir {args.checkpoint_dir}"
+    print(f"{PROG}: interrupted at step {outcome.steps}: state saved in {', '.join(map(str, saved_to))}; "
+          f"continue with: {again}", file=sys.stderr)  # fmt: skip
 
 
 def _check_flags(args, layout, train_config, budget) -> None:
@@ -155,8 +199,8 @@ def _check_flags(args, layout, train_config, budget) -> None:
     check_input_options(args.input_workers, args.prefetch)
     if layout.stage_axis and args.checkpoint_dir:
         raise UserError("--checkpoint-dir does not apply to --layout pipeline yet: its state lives per stage")
-    if args.resume and not args.checkpoint_dir:
-        raise UserError("--resume needs --checkpoint-dir: where the checkpoints are")
+    if layout.stage_axis and args.resume:
+        raise UserError("--resume does not apply to --layout pipeline yet: its state lives per stage")
     if budget and train_config.batch_schedule:
         raise UserError("--auto-batch picks one batch size; drop it or --batch-schedule")
     if args.run_name:
@@ -274,8 +318,8 @@ def run_record(args, configs, programs, train_config, outcome: FitResult, loader
         "epochs": len(outcome.epochs),
         "steps": outcome.steps,
         "loss_history": outcome.loss_history,
-        "test_accuracy": outcome.final_eval.accuracy,
-        "test_loss": outcome.final_eval.loss,
+        "test_accuracy": outcome.final_eval.accuracy if outcome.final_eval else None,
+        "test_loss": outcome.final_eval.loss if outcome.final_eval else None,
         "images_per_second": outcome.images_per_second,
         "compile_seconds": program.compile_seconds,
         "train_seconds": outcome.train_seconds,
@@ -285,6 +329,8 @@ def run_record(args, configs, programs, train_config, outcome: FitResult, loader
         "input_startup_seconds": outcome.extra["input_startup_seconds"],  # the first batch: workers starting
         "data": loader.dataset.source,
         "test_data": test_set.source,
+        "image_shape": list(loader.dataset.image_shape),
+        "classes": list(loader.dataset.classes) if loader.dataset.classes else None,  # an image folder's names
         "jax_version": jax.__version__,
         "config": dict(vars(args)),
     }

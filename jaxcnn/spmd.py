@@ -21,6 +21,7 @@ from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
 from jaxcnn.models import build_model
 from jaxcnn.optim import make_optimizer, optimizer_shardings
 from jaxcnn.program import CompiledPart, Program, ProgramSpec
+from jaxcnn.saved_model import ModelVariables, flat_variables
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import (
     bytes_per_device,
@@ -32,6 +33,7 @@ from jaxcnn.steps import (
     StepContext,
     TrainState,
     average_replicas,
+    consensus,
     eval_step,
     make_train_step,
     plan_updates,
@@ -124,6 +126,10 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     compiled = compile_all(lowered, {"init": cpu_init_options(mesh)}, default=step_options)
     compile_seconds = time.perf_counter() - start
 
+    def model_variables(state: TrainState) -> ModelVariables:
+        params, stats = consensus(state, bool(replicas))  # local SGD: the replicas' average, as evaluated
+        return ModelVariables(flat_variables(params), flat_variables(stats))
+
     return Program(
         spec=spec,
         batch_shardings=(image_sharding, vector_sharding),
@@ -143,4 +149,5 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
         average_step=compiled.get("average"),
         sync_every=update.sync_every if replicas else 0,
         batch_order=plan.batch_order(batch_size),
+        model_variables=model_variables,
     )

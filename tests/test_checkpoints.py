@@ -82,14 +82,14 @@ def test_a_resumed_run_holds_every_epoch_and_reports_no_throughput_when_nothing_
     summary = capsys.readouterr().out
     later = train(tmp_path, "later", *flags, "--checkpoint-dir", str(tmp_path / "b"), "--resume")  # after epoch 1
     columns = ["epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy"]
-    reference = pd.read_csv(tmp_path / "full.csv")[columns]
+    reference = pd.read_csv(tmp_path / "full" / "full.csv")[columns]
     assert list(reference["epoch"]) == [1, 2] and full["epochs"] == 2
     for name, record in (("done", done), ("later", later)):
-        rows = pd.read_csv(tmp_path / f"{name}.csv")[columns]
+        rows = pd.read_csv(tmp_path / name / f"{name}.csv")[columns]
         pd.testing.assert_frame_equal(rows, reference, rtol=1e-6)  # the restored epochs included
         assert record["epochs"] == 2 and record["loss_history"] == full["loss_history"]
     # nothing was trained: no throughput (it read 1,000,000,000 images/s), and the summary says why
-    on_disk = json.loads((tmp_path / "done.json").read_text())
+    on_disk = json.loads((tmp_path / "done" / "done.json").read_text())
     assert done["images_per_second"] is None and on_disk["images_per_second"] is None
     assert on_disk["input_wait_fraction"] is None and on_disk["resumed_from_step"] == 2 * per_epoch
     assert later["resumed_from_step"] == per_epoch
@@ -121,7 +121,7 @@ def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_after_it(tmp_pa
     assert "last good checkpoint is step 1" in error[0]
     steps = Checkpointer(tmp_path / "ck", every=1).steps()
     assert steps == [1]
-    assert not (tmp_path / "nan.json").exists()
+    assert not (tmp_path / "nan" / "nan.json").exists()
     skipped = train(tmp_path, "skip", *flags, "--skip-nonfinite")
     assert skipped["skipped_steps"] == 11  # every step after the first overflows the parameters
 
@@ -148,7 +148,7 @@ def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
     grain workers, epochs of 3 steps and checkpoints every 10, so the run stops mid-epoch
     and the loader must continue at the exact example (its position is in the checkpoint)."""
     folder = write_folder(tmp_path / "images", per_class=40, size=(12, 10))
-    flags = ["--max-steps", "80", "--quiet", "--checkpoint-every", "10", "--results-dir", str(tmp_path),
+    flags = ["--max-steps", "80", "--quiet", "--checkpoint-every", "10", "--results-dir", str(tmp_path / "runs"),
              "--data", str(folder), "--num-classes", "3", "--channels", "3", "--batch-size", "32",
              "--augment-shift", "1", "--augment-flip", "--input-workers", "2"]  # fmt: skip
     script = [sys.executable, str(REPO / "experiments/train.py")]
@@ -172,13 +172,13 @@ def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
     while any(map(_running, workers)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(_running, workers)), "the killed run's input workers outlived it"
-    assert not (tmp_path / "run.json").exists()
+    assert not (tmp_path / "runs" / "run" / "run.json").exists()
     resumed = subprocess.run(
         [*script, *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--run-name", "run", "--resume"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
-    ref, run = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ref", "run"))
+    ref, run = (json.loads((tmp_path / "runs" / n / f"{n}.json").read_text()) for n in ("ref", "run"))
     assert run["resumed_from_step"] % 10 == 0 and kill_after - 10 <= run["resumed_from_step"] < 80
     assert f"resuming from step {run['resumed_from_step']} " in resumed.stdout
     assert run["loss_history"] == ref["loss_history"]

@@ -28,12 +28,12 @@ def run_cli(*args, cwd=REPO):
 def test_cli_run_writes_both_result_files(tmp_path):
     proc = run_cli(*SMALL, "--epochs", "2", "--mesh", "data=8", "--results-dir", str(tmp_path), "--run-name", "e2e")
     assert proc.returncode == 0, proc.stderr
-    record = json.loads((tmp_path / "e2e.json").read_text())
+    record = json.loads((tmp_path / "e2e" / "e2e.json").read_text())
     assert set(record) >= JSON_KEYS
     assert record["layout"] == "dp" and record["mesh"] == {"data": 8} and record["num_devices"] == 8
     assert record["steps"] == 2 * (len(bundled_digits()) // 32) == len(record["loss_history"])
     assert 0.5 < record["test_accuracy"] <= 1.0 and record["images_per_second"] > 0
-    epochs = pd.read_csv(tmp_path / "e2e.csv")
+    epochs = pd.read_csv(tmp_path / "e2e" / "e2e.csv")
     assert list(epochs.columns) == EPOCH_COLUMNS and list(epochs["epoch"]) == [1, 2]
     assert epochs["step"].iloc[-1] == record["steps"]
     assert "test accuracy" in proc.stdout and "images/s" in proc.stdout
@@ -45,7 +45,7 @@ def test_label_free_test_file_gets_a_submission(tmp_path):
         [*SMALL, "--max-steps", "3", "--host-devices", "8", "--mesh", "data=8", "--test-data", str(test_csv),
          "--results-dir", str(tmp_path), "--run-name", "sub"]
     )  # fmt: skip
-    submission = pd.read_csv(tmp_path / "submission.csv")
+    submission = pd.read_csv(tmp_path / "sub" / "submission.csv")
     assert list(submission.columns) == ["ImageId", "Label"]
     assert list(submission["ImageId"]) == list(range(1, 22))
     assert submission["Label"].between(0, 9).all()
@@ -123,7 +123,7 @@ BAD_INPUT = {
     "remat unknown": (["--remat", "some"], "argument --remat: invalid choice"),
     "remat names unknown": (["--remat", "names", "--remat-names", "conv,attn"], "unknown --remat-names attn"),
     # checkpoints and multi-host
-    "resume without a directory": (["--resume"], "--resume needs --checkpoint-dir"),
+    "resume without a directory": (["--resume"], "nothing to resume: no run directory"),
     "checkpoint interval zero": (
         ["--checkpoint-dir", lambda t: str(t / "ck"), "--checkpoint-every", "0"],
         "--checkpoint-every must be a positive integer",
@@ -179,7 +179,7 @@ def test_bad_input_in_a_real_process_exits_2_without_traceback(tmp_path):
     proc = run_cli("--layout", "zero3", "--results-dir", str(tmp_path))
     assert (
         proc.returncode == 2
-        and proc.stderr.strip() == "train.py: error: unknown layout 'zero3'; use one of " + ", ".join(LAYOUTS)
+        and proc.stderr.strip() == "jaxcnn train: error: unknown layout 'zero3'; use one of " + ", ".join(LAYOUTS)
     )
 
 
@@ -202,13 +202,16 @@ def test_environment_cluster_variables_are_checked(tmp_path, capsys, monkeypatch
 def test_existing_checkpoints_are_not_overwritten_without_resume(tmp_path, capsys):
     module = load_train_module()
     flags = [*SMALL, "--max-steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--results-dir", str(tmp_path)]
-    module.main(flags)
+    module.main([*flags, "--run-name", "first"])
     before = sorted(p.name for p in (tmp_path / "ck").iterdir())
     with pytest.raises(SystemExit):
-        cli.run_main("train.py", lambda: module.main(flags))
+        cli.run_main("train.py", lambda: module.main([*flags, "--run-name", "second"]))
     assert "already holds checkpoints (steps 2); pass --resume" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
     with pytest.raises(SystemExit):  # a checkpoint of another model: one line, nothing touched
-        cli.run_main("train.py", lambda: module.main([*flags, "--resume", "--conv-features", "8,16,32"]))
+        cli.run_main(
+            "train.py", lambda: module.main([*flags, "--run-name", "third", "--resume", "--conv-features", "8,16,32"])
+        )
     assert "holds a different model or training state" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "first"]  # no run directory for the refused runs

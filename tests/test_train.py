@@ -81,7 +81,7 @@ def test_a_diverging_run_warns_naming_the_step_and_records_it(tmp_path, capsys):
              "--lr", "1e6", "--max-steps", "8", "--quiet", "--results-dir", str(tmp_path), "--run-name", "big"]  # fmt: skip
     cli.run_main("train.py", lambda: load_train_module().main(flags))  # exits 0: the run finished
     captured = capsys.readouterr()
-    record = json.loads((tmp_path / "big.json").read_text())
+    record = json.loads((tmp_path / "big" / "big.json").read_text())
     losses, step = record["loss_history"], record["diverged_at_step"]
     assert step == next(k for k, loss in enumerate(losses, 1) if loss > 10 * losses[0]) and step > 1
     warning = [line for line in captured.err.splitlines() if "diverged" in line]

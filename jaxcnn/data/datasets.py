@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxcnn.config import BUNDLED_TRAIN
-from jaxcnn.data.folders import load_image_folder, parse_image_size
+from jaxcnn.data.folders import load_image_folder, load_unlabelled_folder, parse_image_size
 from jaxcnn.data.idx import read_idx
 from jaxcnn.data.sources import Dataset, load_csv
 from jaxcnn.errors import UserError
@@ -173,8 +173,11 @@ def load_source(
     path: str | Path | None, *, channels: int = 1, num_classes: int = 10, image_size: str | None = None,
     classes: tuple[str, ...] | None = None, need_labels: bool = True,
 ) -> Dataset:  # fmt: skip
-    """`--data` / `--test-data`: a folder of class subfolders, or a CSV (None: the bundled digits)."""
+    """`--data` / `--test-data`: a folder of class subfolders, or a CSV (None: the bundled digits).
+    Where labels are not needed and `image_size` is given, also a flat folder of images."""
     path = Path(path) if path else BUNDLED_TRAIN
+    if path.is_dir() and not need_labels and image_size and not any(p.is_dir() for p in path.iterdir()):
+        return load_unlabelled_folder(path, channels=channels, image_size=parse_image_size(image_size))
     if path.is_dir():
         size = parse_image_size(image_size) if image_size else None
         data = load_image_folder(path, channels=channels, image_size=size, classes=list(classes) if classes else None)

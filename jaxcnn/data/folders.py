@@ -144,6 +144,20 @@ def load_image_folder(
     return Dataset(images, np.asarray(labels, np.int32), str(root), classes=tuple(names))
 
 
+def load_unlabelled_folder(root: str | Path, *, channels: int, image_size: tuple[int, int]) -> Dataset:
+    """A folder of images to predict (no class subfolders): every PNG/JPEG in it, sorted,
+    decoded at `image_size` (the model's input) when used."""
+    if channels not in MODES:
+        raise UserError(f"--channels {channels} does not apply to images; use 1 (grey), 3 (RGB) or 4 (RGBA)")
+    root = Path(root)
+    files = _images_in(root)
+    if not files:
+        raise UserError(f"{root} holds no image ({', '.join(EXTENSIONS)}); pass a folder of images or a CSV")
+    for path in files[:1]:  # a broken first header fails here, the rest when decoded
+        _header_size(path)
+    return Dataset(ImageFiles(tuple(map(str, files)), channels, image_size), None, str(root))
+
+
 def write_image_folder(dataset: Dataset, root: str | Path, *, size: tuple[int, int] | None = None,
                        channels: int = 3, quality: int = 90) -> Path:  # fmt: skip
     """`dataset` as an image folder of JPEGs (a subfolder per class), each image resized to

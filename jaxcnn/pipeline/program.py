@@ -31,6 +31,7 @@ from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
 from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
 from jaxcnn.pipeline.split import Stage, stage_groups, sub_meshes
 from jaxcnn.program import CompiledPart, Program, ProgramSpec
+from jaxcnn.saved_model import ModelVariables, flat_variables, path_key
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import DP
 from jaxcnn.sharding.partition import (
@@ -264,7 +265,29 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         "bytes_between_stages_per_step": 2 * m * sum(act_bytes[:-1]),  # whole arrays, every boundary
     }
     program.description = describe(program, groups, m)
+    program.model_variables = stage_paths_to_model(model_config, image_shape, groups)
     return program
+
+
+def stage_paths_to_model(model_config, image_shape, groups: list[range]):
+    """(PipelineState) -> the whole model's arrays by the model's own paths: stage s names a
+    layer "units/0/conv/kernel", the model "blocks/3/conv/kernel". The names are matched by
+    the Variable objects a Stage shares with the model it is cut from."""
+    model = nnx.eval_shape(lambda: build_model(model_config, image_shape, 0))
+    model_path = {id(v): path_key(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+    renames = [
+        {path_key(p): model_path[id(v)] for p, v in nnx.iter_graph(Stage(model, group)) if isinstance(v, nnx.Variable)}
+        for group in groups
+    ]
+
+    def model_variables(state) -> ModelVariables:
+        params, stats = {}, {}
+        for rename, stage in zip(renames, state.stages, strict=True):
+            params.update({rename[k]: v for k, v in flat_variables(stage.params).items()})
+            stats.update({rename[k]: v for k, v in flat_variables(stage.stats).items()})
+        return ModelVariables(params, stats)
+
+    return model_variables
 
 
 # The stage programs a training step runs once per micro-batch (update runs once).

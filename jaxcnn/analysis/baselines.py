@@ -1,0 +1,80 @@
+"""What jaxcnn's train step is measured against: the same model and optimizer as a plain
+`jax.jit` step, as a user would write it, and the machine's peak FLOP/s in the step's dtype
+(`jaxcnn bench`)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxcnn.analysis.measure import timing_program, warm_stepper
+from jaxcnn.config import ModelConfig
+from jaxcnn.models import build_model, cross_entropy
+
+
+def peak_flops(dtype: str, n: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n x n matmul on the first device (the same dtype as the step)."""
+    a = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(matmul(a))
+    best = min(seconds_of(lambda: matmul(a)) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def seconds_of(run) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    return time.perf_counter() - start
+
+
+def flops_of(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
+
+
+def plain_jit_stepper(config: ModelConfig, image_shape, images, labels, options: dict | None = None):
+    """The same model and optimizer as a user would write them: nnx + optax + jax.jit
+    (compiled with XLA's defaults, or `options`). Returns (steps(n) -> seconds, compile
+    seconds, FLOPs per step)."""
+    tx = optax.adam(1e-3)
+    graphdef, params, rest = nnx.split(build_model(config, image_shape, 0), nnx.Param, ...)
+    opt_state = tx.init(params)
+
+    def step(params, rest, opt_state, x, y):
+        def loss_fn(p):
+            model = nnx.merge(graphdef, p, rest, copy=True)
+            logits = model(x, train=True)
+            return cross_entropy(logits, y).mean(), nnx.state(model, nnx.Not(nnx.Param))
+
+        (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), rest, opt_state, loss
+
+    start = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, rest, opt_state, images, labels).compile(options)
+    compile_seconds = time.perf_counter() - start
+    x, y = jnp.asarray(images), jnp.asarray(labels)
+    *state, loss = compiled(params, rest, opt_state, x, y)  # warm-up; the state is donated: keep the new one
+    jax.block_until_ready(loss)
+
+    def steps(n: int) -> list[float]:
+        seconds = []
+        for _ in range(n):
+            start = time.perf_counter()
+            *new_state, loss = compiled(*state, x, y)
+            jax.block_until_ready(loss)
+            seconds.append(time.perf_counter() - start)
+            state[:] = new_state
+        return seconds
+
+    return steps, compile_seconds, flops_of(compiled)
+
+
+def jaxcnn_stepper(config, layout: str, device, image_shape, batch, images, labels):
+    program = timing_program(config, image_shape, batch, layout, devices=[device])
+    return warm_stepper(program, images, labels), program.compile_seconds, flops_of(program.train_step)

@@ -1,0 +1,46 @@
+"""`jaxcnn <command>`: the console script (pyproject's [project.scripts]).
+
+    jaxcnn train --layout fsdp --epochs 5
+    jaxcnn predict --run runs/<name> --data images/
+    jaxcnn evaluate --run runs/<name>
+
+Each command's module parses its flags before it imports JAX (`main` imports the work
+after `parse_flags`), so `--help` and bad flags answer at once. The scripts in
+`experiments/` are the same commands under their old names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from jaxcnn import cli
+
+COMMANDS = {
+    "train": "train a CNN under a layout and mesh; keep the model and the run's logs in runs/<name>/",
+    "predict": "predictions of a trained run's model for a CSV or a folder of images",
+    "evaluate": "accuracy, loss, per-class accuracy and the confusion matrix of a run's model on labelled data",
+    "compare": "compare layouts from the compiled program: memory, FLOPs, collective bytes, speed-up",
+    "scale": "scaling report: a layout on 1, 2, 4, ... devices, and whether scaling out pays",
+    "plan": "rank every layout x mesh for N devices on a hardware profile, within a memory budget",
+    "bench": "benchmark one train step: median time, images/s, compile time, MFU",
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
+    return "usage: jaxcnn COMMAND [flags]   (jaxcnn COMMAND --help for its flags)\n\ncommands:\n" + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        sys.exit(0 if argv else 2)
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"jaxcnn: error: unknown command {name!r}; use one of {', '.join(COMMANDS)} (see --help)", file=sys.stderr)
+        sys.exit(2)
+    command = importlib.import_module(f"jaxcnn.commands.{name}")
+    cli.run_main(command.PROG, lambda: command.main(rest))

@@ -1,0 +1,138 @@
+"""Predict with a trained run's model: a CSV of predictions for a CSV of images (Kaggle's
+ImageId,Label) or a folder of images (path,label,probability; the folder may hold the
+images directly or in class subfolders). The run's config.json says the model, its input
+and its classes: no training flag needs repeating. Any layout but the pipeline, any mesh
+(default: dp over every device).
+
+jaxcnn predict --run runs/NAME                                  # the run's own test data
+jaxcnn predict --run runs/NAME --data test.csv --out submission.csv
+jaxcnn predict --run runs/NAME --data photos/ --layout tp --mesh model=2
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from jaxcnn import cli
+
+PROG = "jaxcnn predict"
+
+
+def add_model_run_flags(parser: cli.FlagParser, data_help: str) -> None:
+    """The flags predict and evaluate share: the run, the data, the layout to run it on."""
+    g = parser.add_argument_group("model and data")
+    g.add_argument("--run", required=True, metavar="DIR", help="a run directory `jaxcnn train` wrote (runs/<name>)")
+    g.add_argument("--data", help=data_help)
+    g.add_argument("--batch-size", type=int, help="images per step (default: the run's evaluation batch)")
+    g.add_argument("--overwrite", action="store_true", help="replace existing output")
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--layout", default="dp", help="any layout but pipeline, or --layout-rules")
+    g.add_argument("--layout-rules", help="your own rules table, e.g. batch=data,conv_out=model")
+    g.add_argument("--mesh", help="mesh shape, e.g. data=4,model=2 (default: the layout's, over every device)")
+    g.add_argument(
+        "--host-devices", type=int,
+        help=f"simulate N CPU devices (default on a CPU-only machine: what the mesh needs, else "
+        f"{cli.DEFAULT_SIMULATED_DEVICES})",
+    )  # fmt: skip
+
+
+def parse_flags(argv=None):
+    parser = cli.FlagParser(prog=PROG, description=__doc__)
+    add_model_run_flags(parser, "CSV (with or without labels) or image folder (default: the run's test data)")
+    parser.add_argument(
+        "--out", help="the predictions CSV (default: <run>/predictions.csv, or predictions-<data name>.csv)"
+    )
+    return parser.parse_args(argv)
+
+
+def load_model_and_data(args, need_labels: bool):
+    """(the run, its data to score, the predictor, the data's name): everything checked first."""
+    import jax
+
+    from jaxcnn import runs
+    from jaxcnn.data import load_source
+    from jaxcnn.errors import UserError
+    from jaxcnn.inference import load_predictor
+    from jaxcnn.run import load_data
+    from jaxcnn.sharding import ParallelDims, build_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
+    from jaxcnn.sharding.mesh import devices_needed, host_devices_for, simulate_cpu_devices
+
+    run = runs.open_run(args.run)
+    flags = run.flags
+    model_config = cli.model_from_flags(flags)
+    image_shape = tuple(run.record["image_shape"])
+    layout = parse_rules(args.layout_rules) if args.layout_rules else get_layout(args.layout)
+    mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
+    if args.data is None:
+        dataset, name = load_data(flags, model_config.num_classes)[1], None
+    else:
+        path = Path(args.data)
+        if not path.exists():
+            raise UserError(f"--data {path} not found; pass a CSV or a folder of images")
+        size = f"{image_shape[0]}x{image_shape[1]}" if path.is_dir() else None  # images resized to the model's input
+        dataset = load_source(
+            path, channels=flags.channels, num_classes=model_config.num_classes, image_size=size,
+            classes=run.record.get("classes"), need_labels=need_labels,
+        )  # fmt: skip
+        name = path.stem or path.name
+    if dataset.image_shape != image_shape:
+        shape = "x".join(map(str, dataset.image_shape))
+        raise UserError(
+            f"the images of {dataset.source} are {shape}, but the run's model takes "
+            f"{'x'.join(map(str, image_shape))}; pass data like the run's"
+        )
+    if need_labels and dataset.labels is None:
+        raise UserError(f"{dataset.source} has no labels to evaluate against; use `jaxcnn predict` for it")
+    wanted = host_devices_for(mesh_shape, args.host_devices, cli.DEFAULT_SIMULATED_DEVICES)
+    simulate_cpu_devices(wanted, at_least=args.host_devices is None)  # a mesh takes the first devices
+    count = devices_needed(mesh_shape) or len(jax.devices())  # a mesh of fixed sizes takes the first devices
+    if count > len(jax.devices()):
+        raise UserError(f"--mesh {args.mesh} needs {count} devices but {len(jax.devices())} exist")
+    mesh_shape = resolve_mesh(mesh_shape, count)
+    data_ways = ParallelDims(layout, mesh_shape).data
+    batch = args.batch_size or flags.eval_batch_size or flags.batch_size
+    if args.batch_size is None:
+        batch = math.ceil(batch / data_ways) * data_ways  # the run's batch, rounded up to split evenly
+    mesh = build_mesh(mesh_shape, jax.devices()[:count])
+    predictor = load_predictor(run.model_dir, model_config, image_shape, layout, mesh, batch)
+    return run, dataset, predictor, name
+
+
+def class_names(run) -> list[str]:
+    return run.record.get("classes") or [str(label) for label in range(run.flags.num_classes)]
+
+
+def main(argv=None):
+    args = parse_flags(argv)
+    import numpy as np
+    import pandas as pd
+
+    from jaxcnn import results
+    from jaxcnn.errors import UserError
+    from jaxcnn.inference import probabilities
+
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and not args.overwrite:
+        raise UserError(f"--out {out} already exists; pass --overwrite to replace it or another --out")
+    run, dataset, predictor, name = load_model_and_data(args, need_labels=False)
+    out = out or run.directory / (f"predictions-{name}.csv" if name else "predictions.csv")
+    if out.exists() and not args.overwrite:
+        raise UserError(f"{out} already exists; pass --overwrite to replace it or --out FILE")
+    results.ensure_writable_dir(out.parent)
+    probs = probabilities(predictor.logits(dataset))
+    predicted = probs.argmax(-1)
+    if dataset.in_memory:  # a CSV (or the run's own test set): Kaggle's format
+        frame = pd.DataFrame({"ImageId": np.arange(1, len(predicted) + 1), "Label": predicted})
+    else:  # files: each named, with its class's name and how sure the model is
+        names = class_names(run)
+        frame = pd.DataFrame({
+            "path": dataset.images.paths, "label": [names[k] for k in predicted],
+            "probability": probs.max(-1).round(6),
+        })  # fmt: skip
+    results.write_csv(out, frame.to_dict("records"), list(frame.columns))
+    print(f"{len(frame)} predictions of {run.name}'s model ({run.record['model']}) for {dataset.source}")
+    if dataset.labels is not None:
+        print(f"accuracy {100 * float(np.mean(predicted == dataset.labels)):.2f}% against its labels")
+    print(f"wrote {out}")
+    return frame

@@ -1,0 +1,151 @@
+"""Scaling report: the single-device baseline first, then a layout on 1, 2, 4, ... devices;
+speed-up, efficiency, where step time goes, and a verdict on whether scaling out pays.
+
+jaxcnn scale                                  # dp on 1,2,4,8 devices, bundled digits
+jaxcnn scale --layout hybrid --devices 2,4,8 --steps 40
+jaxcnn scale --synthetic 64x64x3 --batch-size 32 --weak   # batch grows with devices
+
+Timing uses the real input pipeline (host batches prefetched and placed with their
+sharding), so `input_wait_fraction` is measured. The communication share is *modelled*
+(alpha-beta model on the compiled collectives, jaxcnn.analysis.planner): on simulated CPU
+devices collectives are memory copies between threads on the same cores and cannot be
+timed apart from compute. (`python experiments/scaling.py` is the same command.)
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxcnn import cli
+from jaxcnn.analysis.hardware import get_profile
+from jaxcnn.config import OptimConfig, TrainConfig
+from jaxcnn.errors import UserError
+
+PROG = "jaxcnn scale"
+
+
+def parse_flags(argv=None):
+    parser = cli.experiment_parser(PROG, __doc__)
+    cli.add_model_flags(parser)
+    cli.add_data_flags(parser)
+    g = parser.add_argument_group("scaling")
+    g.add_argument("--layout", default="dp")
+    cli.add_devices_flag(g, default=(1, 2, 4, 8), help="device counts, e.g. 1,2,4,8", type=cli.int_list)
+    g.add_argument("--batch-size", type=int, default=64, help="global batch (per device with --weak)")
+    g.add_argument("--weak", action="store_true", help="weak scaling: the global batch grows with the devices")
+    g.add_argument("--steps", type=int, default=30, help="timed steps per size (the first is not counted)")
+    g.add_argument("--hardware", help="profile for the modelled communication share (default: by platform)")
+    cli.add_output_flags(g, out="runs/scaling.csv", plot="runs/scaling.png")
+    return parser.parse_args(argv)
+
+
+def _profile_for(device, name):
+    if name:
+        return get_profile(name)
+    if device.platform == "cpu":
+        return get_profile("cpu-here")
+    kind = device.device_kind.lower()
+    return get_profile(next((p for p in ("h200", "h100", "a100") if p in kind), "h100"))
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_flags(argv)
+    import jax  # after the flags: --help and bad flags answer at once
+
+    from jaxcnn import plots, results
+    from jaxcnn.analysis.cost import program_cost
+    from jaxcnn.analysis.planner import comm_seconds
+    from jaxcnn.analysis.verdicts import step_verdicts, verdict
+    from jaxcnn.build import build_program
+    from jaxcnn.data import synthetic_dataset
+    from jaxcnn.fit import fit
+    from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, quiet_fallbacks, resolve_mesh
+    from jaxcnn.sharding.mesh import simulate_cpu_devices
+
+    layout = get_layout(args.layout)
+    if not args.devices or min(args.devices) < 1:
+        raise UserError("--devices needs positive counts, e.g. 1,2,4,8")
+    if args.steps < 2:
+        raise UserError(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
+    counts = sorted(set(args.devices))
+    meshes = {n: resolve_mesh(parse_mesh(layout.default_mesh), n) for n in counts}
+    out, plot = cli.writable_outputs(args.out, args.plot)
+    model_config = cli.model_from_flags(args)
+    simulate_cpu_devices(max(counts), at_least=True)
+    devices = jax.devices()
+    if len(devices) < max(counts):
+        raise UserError(f"--devices asks for {max(counts)} devices, but only {len(devices)} exist")
+    simulated = devices[0].platform == "cpu" and max(counts) > 1
+    profile = _profile_for(devices[0], args.hardware)
+
+    def batch_for(n):
+        return args.batch_size * n if args.weak else args.batch_size
+
+    largest_batch = batch_for(max(counts))
+    shape, data = cli.data_from_flags(args, model_config.num_classes)
+    if data is None:
+        data = synthetic_dataset(shape, largest_batch * args.steps, model_config.num_classes, 0)
+
+    def run(run_layout, mesh_shape, batch):
+        mesh = build_mesh(mesh_shape, devices)
+        config = TrainConfig(batch_size=batch, epochs=10**6, max_steps=args.steps)
+        with quiet_fallbacks():
+            program = build_program(
+                model_config, OptimConfig(), run_layout, mesh, data.image_shape, batch, args.steps, with_eval=False
+            )
+        outcome = fit(program, program.init(), data, None, config, progress=False)
+        cost = program_cost(program)
+        comm = comm_seconds(cost, profile, mesh.size)
+        step_seconds = batch / outcome.images_per_second
+        return {
+            "layout": run_layout.name,
+            "mesh": format_mesh(mesh_shape),
+            "num_devices": mesh.size,
+            "global_batch_size": batch,
+            "steps": outcome.steps,
+            "step_seconds": step_seconds,
+            "images_per_second": outcome.images_per_second,
+            "input_wait_fraction": outcome.input_wait_fraction,
+            "comm_bytes": cost.comm_bytes,
+            "comm_wire_bytes": cost.wire_bytes,
+            "comm_fraction_model": min(1.0, comm / step_seconds),
+            "simulated_devices": simulated,
+        }
+
+    print(f"[baseline] single on 1 device, batch {batch_for(1)} ...", flush=True)
+    baseline = run(get_layout("single"), {"data": 1}, batch_for(1))
+    rows = []
+    for n in counts:
+        print(f"[{n} device(s)] {layout.name} on {format_mesh(meshes[n])}, batch {batch_for(n)} ...", flush=True)
+        rows.append(run(layout, meshes[n], batch_for(n)))
+    for r in rows:
+        # weak scaling compares throughput; strong scaling the same (fixed batch): images/s ratio
+        r["speedup"] = r["images_per_second"] / baseline["images_per_second"]
+        r["efficiency"] = r["speedup"] / r["num_devices"]
+    for r, word in zip(rows, step_verdicts(rows), strict=True):
+        r["verdict"] = word
+    summary = verdict(rows)
+    results.write_csv(
+        out, [{**baseline, "speedup": 1.0, "efficiency": 1.0, "verdict": "single-device baseline"}, *rows]
+    )
+
+    print(
+        f"\n{'devices':>7} {'mesh':<18} {'img/s':>8} {'speedup':>7} {'effic.':>6} {'input wait':>10} {'comm (model)':>12}  verdict"
+    )
+    print(f"{'single':>7} {'data=1':<18} {baseline['images_per_second']:8.0f} {1.0:7.2f} {1.0:6.2f} "
+          f"{baseline['input_wait_fraction']:10.1%} {'-':>12}  baseline")  # fmt: skip
+    for r in rows:
+        print(f"{r['num_devices']:>7} {r['mesh']:<18} {r['images_per_second']:8.0f} {r['speedup']:7.2f} "
+              f"{r['efficiency']:6.2f} {r['input_wait_fraction']:10.1%} {r['comm_fraction_model']:12.1%}  {r['verdict']}")  # fmt: skip
+    print(f"verdict: {summary}")
+    if simulated:
+        print(
+            f"note: these are simulated devices: all {max(counts)} share this machine's "
+            f"{os.cpu_count()} cores, so the speed-up measures the program's overheads, "
+            "not what real devices would give"
+        )
+    title = f"{layout.name} scaling, {model_config.name}, {'weak' if args.weak else 'strong'} (global batch {args.batch_size}{' per device' if args.weak else ''})"
+    if simulated:
+        title += "\nsimulated CPU devices sharing one host's cores"
+    print("wrote", out, plots.scaling_plot(rows, plot, title, summary))
+    return rows
