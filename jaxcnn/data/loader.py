@@ -13,6 +13,7 @@ import functools
 import gc
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -324,7 +325,11 @@ class Loader:
 def _exit_with_parent(parent: int, worker_index: int, worker_count: int) -> None:
     """In each grain worker: exit once the training process is gone. grain stops its workers
     when the iterator closes or the process exits normally, but a process killed outright
-    (SIGKILL, the OOM killer, a preempted job) would leave them running."""
+    (SIGKILL, the OOM killer, a preempted job) would leave them running. A Ctrl-C reaches
+    the workers too (the terminal signals the whole process group): it is the training
+    process's to handle -- it stops at a step, saves and closes the pipeline -- so the
+    workers ignore it rather than die mid-batch with a traceback each."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch():
         while os.getppid() == parent:
