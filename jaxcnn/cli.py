@@ -52,6 +52,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text.lower():
             return text
+        if action.required:
+            return f"{text} (required)"
         if isinstance(action, argparse._StoreTrueAction):
             shown = "off"
         elif action.default is None or action.default == ():
@@ -244,7 +246,11 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-dir", help="save Orbax checkpoints here (asynchronously)")
     g.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default %(default)s)")
     g.add_argument("--keep-checkpoints", type=int, default=3, help="keep the last K (default %(default)s)")
-    g.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint-dir")
+    g.add_argument(
+        "--resume", action="store_true",
+        help="continue the run --run-name names from the state a Ctrl-C saved in its directory (or from the newest "
+        "good checkpoint in --checkpoint-dir), with its flags as the defaults",
+    )  # fmt: skip
     g.add_argument(
         "--skip-nonfinite",
         action="store_true",
@@ -309,7 +315,7 @@ def writable_outputs(*paths) -> list[Path | None]:
 
     paths = [Path(path) if path else None for path in paths]
     for path in filter(None, paths):
-        ensure_writable_dir(path.parent)
+        ensure_writable_dir(path.parent, "--out")
     return paths
 
 

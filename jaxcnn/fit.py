@@ -7,8 +7,8 @@ record what happened.
 
 Batches come from the data package's `Loader` (a grain pipeline over the whole run: order,
 read, augment, prefetch); the loop places them, steps, collects metrics and keeps the books.
-Progress is a bar on a terminal and one line per epoch in a log. With `interruptible`, a
-Ctrl-C stops the run after the step in flight: the state is saved (`Interrupted`) and the
+Progress is a bar on a terminal and one line per epoch in a log. Under `interrupt_requests`,
+a Ctrl-C stops the run after the step in flight: the state is saved (`Interrupted`) and the
 run can continue from it exactly; a second Ctrl-C exits at once.
 """
 
@@ -105,8 +105,8 @@ def interrupt_requests(enabled: bool) -> Iterator[Callable[[], bool]]:
             print("interrupted again: exiting now, without saving", file=sys.stderr, flush=True)
             os._exit(130)
         requested.append(signum)
-        print("\ninterrupted: stopping after this step to save (Ctrl-C again to exit at once)", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print("\ninterrupted: stopping at the next step boundary to save (Ctrl-C again to exit at once)",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     previous = signal.signal(signal.SIGINT, handler)
     try:
@@ -125,13 +125,31 @@ class Resume:
     epochs: list[dict]
     skipped_steps: int = 0
     loader: dict | None = None  # the loader's position (Batches.position); None: from the step
+    plan: list[list[int]] | None = None  # [steps, global batch] per epoch, and the seed, of the run
+    seed: int | None = None  # that saved it (None: a checkpoint from before they were recorded)
 
     @classmethod
     def from_record(cls, record: dict) -> Resume:
         return cls(
             record["step"], record["loss_history"], record["accuracy_history"], record["epochs"],
-            record.get("skipped_steps", 0), record.get("loader"),
+            record.get("skipped_steps", 0), record.get("loader"), record.get("plan"), record.get("seed"),
         )  # fmt: skip
+
+    def check_continues(self, train_size: int, config: TrainConfig) -> None:
+        """Refuse to resume under flags that change what the saved steps were: the seed, or
+        the steps and batch of any epoch up to the one it stopped in (the batch size, the
+        batch schedule, the data). Later epochs may change (more --epochs)."""
+        if self.plan is None:
+            return
+        plan = epoch_plan(epoch_steps(train_size, config), config)
+        upto = next((k + 1 for k, done in enumerate(np.cumsum([n for n, _ in self.plan])) if done >= self.step), None)
+        if self.seed != config.seed or upto is None or plan[:upto] != self.plan[:upto]:
+            raise UserError(
+                f"the saved state (step {self.step}) was trained with other steps per epoch, batch or seed than "
+                "these flags give: resume with the flags it was saved with (its run's config.json), "
+                "or start a new --run-name"
+            )
+
 
     def rows(self, plan: list[int], config: TrainConfig) -> list[dict]:
         """The epoch rows of a restored run, one for every epoch it had finished. Checkpoints
@@ -153,6 +171,11 @@ class Resume:
         return rows
 
 
+def epoch_plan(steps: list[int], config: TrainConfig) -> list[list[int]]:
+    """[optimizer steps, global batch] of each epoch the run trains (`steps`: epoch_steps')."""
+    return [[count, config.batch_for_epoch(epoch)] for epoch, count in enumerate(steps)]
+
+
 def fit(
     programs: Program | dict[int, Program],
     state,
@@ -165,7 +188,7 @@ def fit(
     resume: Resume | None = None,
     skip_nonfinite: bool = False,
     on_epoch: Callable[[dict, list[float]], None] | None = None,
-    interruptible: bool = False,
+    stop_requested: Callable[[], bool] = lambda: False,
     interrupt_saves: Sequence = (),
 ) -> FitResult:
     """Train for the planned steps, evaluating on `test_set` after every epoch.
@@ -177,8 +200,9 @@ def fit(
     its step, on the same data position. A non-finite loss stops the run (NonFiniteLoss,
     naming the step) before anything non-finite is saved -- unless `skip_nonfinite`,
     where the compiled step has already skipped it. `on_epoch(row, losses)` is called after
-    each epoch's evaluation with its row and its steps' losses. `interruptible`: Ctrl-C
-    saves the state in `checkpointer` and `interrupt_saves`, then raises `Interrupted`.
+    each epoch's evaluation with its row and its steps' losses. Once `stop_requested()`
+    (`interrupt_requests`: a Ctrl-C), the loop stops at the next step boundary, saves the
+    state in `checkpointer` and `interrupt_saves`, and raises `Interrupted`.
     """
     if not isinstance(programs, dict):
         programs = {programs.batch_size: programs}
@@ -194,24 +218,13 @@ def fit(
     result = None
     first_in_epoch = 0
     try:
-        with interrupt_requests(interruptible) as stop_requested:
-            for epoch, count in enumerate(plan):
-                first_in_epoch += plan[epoch - 1] if epoch else 0
-                if first_in_epoch + count <= books.step:
-                    continue  # finished before the checkpoint this run resumed from
-                program = programs[config.batch_for_epoch(epoch)]
-                state, row = _train_epoch(
-                    program, state, batches, books, epoch, first_in_epoch, count, bar, stop_requested
-                )
-                if row is None or (stop_requested() and books.step < total):
-                    if row is not None:  # stopped between epochs: this one is whole
-                        books.rows.append(_evaluated(row, program, state, test_set)[0])
-                    saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
-                    for target in saved:
-                        if books.step not in target.steps():  # else saved at this very step already
-                            books.save(state, batches, target)
-                    bar.close()
-                    raise Interrupted(books.result(state, None), [c.directory for c in saved])
+        for epoch, count in enumerate(plan):
+            first_in_epoch += plan[epoch - 1] if epoch else 0
+            if first_in_epoch + count <= books.step:
+                continue  # finished before the checkpoint this run resumed from
+            program = programs[config.batch_for_epoch(epoch)]
+            state, row = _train_epoch(program, state, batches, books, epoch, first_in_epoch, count, bar, stop_requested)
+            if row is not None:  # the epoch ran to its end (a stop mid-epoch leaves no row)
                 row, result = _evaluated(row, program, state, test_set)
                 books.rows.append(row)
                 if checkpointer is not None and checkpointer.due(books.step, last=books.step == total):
@@ -222,6 +235,13 @@ def fit(
                     bar.set_postfix(epoch=epoch + 1, loss=f"{row['train_loss']:.4f}", test_acc=row["test_accuracy"])
                 elif progress:
                     print(epoch_line(row, len(plan), total), flush=True)
+            if row is None or (stop_requested() and books.step < total):  # asked to stop, in training or eval
+                saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
+                for target in saved:
+                    if books.step not in target.steps():  # else saved at this very step already
+                        books.save(state, batches, target)
+                bar.close()
+                raise Interrupted(books.result(state, None), [c.directory for c in saved])
     finally:
         batches.close()
     books.input_startup_seconds = batches.startup_seconds
@@ -360,6 +380,7 @@ class _Books:
         record = {
             "step": self.step, "loss_history": self.losses, "accuracy_history": self.accuracies, "epochs": self.rows,
             "skipped_steps": self.skipped, "fingerprint": self.fingerprint, "loader": batches.position(),
+            "plan": epoch_plan(self.plan, self.config), "seed": self.config.seed,
         }  # fmt: skip
         checkpointer.save(self.step, state, record)
         if checkpointer is self.checkpointer:

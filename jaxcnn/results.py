@@ -41,17 +41,15 @@ def check_run_name(name: str) -> str:
     return name
 
 
-def ensure_writable_dir(path: str | Path) -> Path:
-    """Create the results directory if needed and prove it is writable, before any work."""
+def ensure_writable_dir(path: str | Path, flag: str = "--results-dir") -> Path:
+    """Create the directory `flag` names if needed and prove it is writable, before any work."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as err:
-        raise UserError(
-            f"results directory {path} cannot be written ({err.strerror}); pass a writable --results-dir"
-        ) from None
+        raise UserError(f"directory {path} cannot be written ({err.strerror}); pass a writable {flag}") from None
     return path
 
 

@@ -2,6 +2,7 @@
 fit, keep the model and write the results. `jaxcnn train` (experiments/train.py) is its
 command line.
 
+    from jaxcnn.commands.train import parse_flags
     record = train(parse_flags(["--layout", "hybrid", "--mesh", "data=4,model=2"]))
 
 Bad input fails before anything slow starts -- the flags, then the files, then the mesh
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -19,6 +21,7 @@ import warnings
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 
 from jaxcnn import cli, results, runs
 from jaxcnn.analysis.cost import program_cost
@@ -41,7 +44,7 @@ from jaxcnn.data.datasets import BUNDLED
 from jaxcnn.data.loader import check_input_options
 from jaxcnn.distributed import cluster_from, initialize
 from jaxcnn.errors import UserError
-from jaxcnn.fit import FitResult, Interrupted, Resume, fit
+from jaxcnn.fit import FitResult, Interrupted, Resume, fit, interrupt_requests
 from jaxcnn.optim import learning_rate_at, optim_for_batch
 from jaxcnn.plots import curves_plot
 from jaxcnn.saved_model import save_model
@@ -96,8 +99,8 @@ def train(args) -> dict:
     run_name = args.run_name or f"{model_config.name}-{layout.name}-{format_mesh(mesh_shape).replace(',', '_')}"
     run_dir = results_dir / run_name
     runs.check_run_dir(run_dir, overwrite=args.overwrite, resume=args.resume, must_exist=not args.checkpoint_dir)
-    if args.checkpoint_dir and Path(args.checkpoint_dir).absolute() == run_dir.absolute():
-        raise UserError(f"--checkpoint-dir {args.checkpoint_dir} is the run's own directory; give another")
+    if args.checkpoint_dir and Path(args.checkpoint_dir).resolve().is_relative_to(run_dir.resolve()):
+        raise UserError(f"--checkpoint-dir {args.checkpoint_dir} is inside the run directory {run_dir}; give another")
     checkpointer = _open_checkpoints(args)
 
     # --- compile and train --------------------------------------------------------------
@@ -126,28 +129,69 @@ def train(args) -> dict:
         print(program.description)
     if args.print_shardings and lead:
         print(format_report(lint_program(program)))
-    tensorboard = keep_on_interrupt = interrupted = None
+    # --- train in the run directory, Ctrl-C saving ------------------------------------------
+    if cluster.num_processes > 1:  # every process has checked the run directory before the first makes it
+        multihost_utils.sync_global_devices("jaxcnn: run directory checked")
+    with interrupt_requests(cluster.num_processes == 1) as stop_requested:  # through the model's saving
+        try:
+            outcome, interrupted, saved_to = _fit_in_run_dir(
+                args, programs, train_config, loader, test_set, run_dir, checkpointer, stop_requested,
+                learning_rate_at(optim_config, train_config, len(train_set)) if lead else None,
+                resumable=not layout.stage_axis and cluster.num_processes == 1,
+            )  # fmt: skip
+            record = run_record(args, configs, programs, train_config, outcome, loader, test_set)
+            record["run_dir"] = str(run_dir)
+            record["interrupted_at_step"] = outcome.steps if interrupted else None
+            if not interrupted:
+                save_model(run_dir / runs.MODEL, program.model_variables(outcome.state))  # a collective
+                if lead:
+                    shutil.rmtree(run_dir / runs.CHECKPOINTS, ignore_errors=True)  # the model replaces a Ctrl-C's state
+        except BaseException:
+            if lead and args.overwrite:
+                runs.undo_overwrite(run_dir)  # the run it was to replace comes back
+            raise
+    record["wall_seconds"] = time.perf_counter() - started
+    if lead:
+        runs.finish_overwrite(run_dir)
+        _write_results(args, record, outcome, test_set, run_dir, interrupted)
+        if interrupted:
+            _stopped(args, run_dir, outcome, saved_to)
+    if interrupted:
+        sys.exit(130)
+    return record
+
+
+def _fit_in_run_dir(
+    args, programs, train_config, loader, test_set, run_dir: Path, checkpointer, stop_requested, learning_rate,
+    resumable: bool,
+) -> tuple[FitResult, bool, list]:
+    """Restore (--resume), make the run directory, fit with TensorBoard logging and Ctrl-C
+    saves; (outcome, interrupted?, where a Ctrl-C saved the state)."""
+    program = programs[train_config.batch_size]
+    lead = jax.process_index() == 0
+    tensorboard = keep_on_interrupt = None
     try:
-        if args.resume and not args.checkpoint_dir:  # what an earlier Ctrl-C saved
+        if args.resume and not args.checkpoint_dir:  # what an earlier Ctrl-C saved in the run directory
             keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
         state, resume = start_state(program, checkpointer or keep_on_interrupt, args.resume)
-        # the run directory is made (or replaced, with --overwrite) once nothing is left to refuse
-        runs.prepare_run_dir(results_dir, run_name, overwrite=args.overwrite, resume=args.resume, create=lead)
+        if resume is not None:
+            resume.check_continues(len(loader), train_config)
+        # the run directory is made (or replaces the old one, with --overwrite) once nothing is left to refuse
+        runs.prepare_run_dir(args.results_dir, run_dir.name, overwrite=args.overwrite, resume=args.resume, create=lead)
         if lead:
             runs.write_config(run_dir, args)
-            learning_rate = learning_rate_at(optim_config, train_config, len(train_set))
             tensorboard = runs.TensorBoardLog(run_dir / runs.TENSORBOARD, learning_rate)
-        if keep_on_interrupt is None and not layout.stage_axis and cluster.num_processes == 1:
-            # where a Ctrl-C saves the state (a pipeline's lives per stage: it cannot be saved yet)
+        if keep_on_interrupt is None and resumable:  # a pipeline's state lives per stage: not saved yet
             keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
         outcome = fit(
             programs, state, loader, test_set, train_config, progress=not args.quiet and lead,
-            checkpointer=checkpointer, resume=resume, skip_nonfinite=update_config.skip_nonfinite,
-            on_epoch=tensorboard.epoch if tensorboard else None, interruptible=cluster.num_processes == 1,
+            checkpointer=checkpointer, resume=resume, skip_nonfinite=program.spec.update.skip_nonfinite,
+            on_epoch=tensorboard.epoch if tensorboard else None, stop_requested=stop_requested,
             interrupt_saves=[keep_on_interrupt] if keep_on_interrupt else [],
         )  # fmt: skip
+        return outcome, False, []
     except Interrupted as stop:
-        outcome, interrupted = stop.result, stop
+        return stop.result, True, stop.saved_to
     finally:
         for saver in (checkpointer, keep_on_interrupt):
             if saver is not None:
@@ -155,30 +199,18 @@ def train(args) -> dict:
         if tensorboard is not None:
             tensorboard.close()
 
-    # --- results: the model, the record, the curves -----------------------------------------
-    record = run_record(args, configs, programs, train_config, outcome, loader, test_set)
-    record["run_dir"] = str(run_dir)
-    record["interrupted_at_step"] = outcome.steps if interrupted else None
-    if not interrupted:
-        save_model(run_dir / runs.MODEL, program.model_variables(outcome.state))  # every process: a collective
-    record["wall_seconds"] = time.perf_counter() - started
-    if lead:
-        written = list(results.write_run(run_dir, run_name, record, outcome.epochs))
-        if outcome.loss_history:
-            written.append(curves_plot(outcome.loss_history, outcome.epochs, run_dir / runs.CURVES, run_name))
-        if test_set.labels is None and not interrupted:
-            submission = args.submission or run_dir / runs.SUBMISSION
-            written.append(results.write_submission(submission, outcome.final_eval.predictions))
-        if keep_on_interrupt is not None and not interrupted:
-            shutil.rmtree(run_dir / runs.CHECKPOINTS, ignore_errors=True)  # finished: the model replaces it
-        print(results.summary_text(record))
-        kept = [runs.TENSORBOARD] if interrupted else [runs.MODEL, runs.TENSORBOARD]
-        print("wrote         ", run_dir, f"({', '.join([p.name for p in written] + [k + '/' for k in kept])})")
-        if interrupted:
-            _stopped(args, run_dir, outcome, interrupted.saved_to)
-    if interrupted:
-        sys.exit(130)
-    return record
+
+def _write_results(args, record: dict, outcome: FitResult, test_set, run_dir: Path, interrupted: bool) -> None:
+    """The result JSON and CSV, the curves, a submission; the summary printed."""
+    written = list(results.write_run(run_dir, run_dir.name, record, outcome.epochs))
+    if outcome.loss_history:
+        written.append(curves_plot(outcome.loss_history, outcome.epochs, run_dir / runs.CURVES, run_dir.name))
+    if test_set.labels is None and not interrupted:
+        submission = args.submission or run_dir / runs.SUBMISSION
+        written.append(results.write_submission(submission, outcome.final_eval.predictions))
+    print(results.summary_text(record))
+    kept = [runs.TENSORBOARD] if interrupted else [runs.MODEL, runs.TENSORBOARD]
+    print("wrote         ", run_dir, f"({', '.join([p.name for p in written] + [k + '/' for k in kept])})")
 
 
 def _stopped(args, run_dir: Path, outcome: FitResult, saved_to: list) -> None:
@@ -187,11 +219,11 @@ def _stopped(args, run_dir: Path, outcome: FitResult, saved_to: list) -> None:
         print(f"{PROG}: interrupted at step {outcome.steps}: results so far in {run_dir}; a pipeline run's state "
               "cannot be saved yet, so it cannot be resumed", file=sys.stderr)  # fmt: skip
         return
-    again = f"jaxcnn train --resume --run-name {run_dir.name} --results-dir {run_dir.parent}"
+    again = ["jaxcnn", "train", "--resume", "--run-name", run_dir.name, "--results-dir", str(run_dir.parent)]
     if args.checkpoint_dir:
-        again += f" --checkpoint-dir {args.checkpoint_dir}"
+        again += ["--checkpoint-dir", args.checkpoint_dir]
     print(f"{PROG}: interrupted at step {outcome.steps}: state saved in {', '.join(map(str, saved_to))}; "
-          f"continue with: {again}", file=sys.stderr)  # fmt: skip
+          f"continue with: {shlex.join(again)}", file=sys.stderr)  # fmt: skip
 
 
 def _check_flags(args, layout, train_config, budget) -> None:
@@ -201,6 +233,8 @@ def _check_flags(args, layout, train_config, budget) -> None:
         raise UserError("--checkpoint-dir does not apply to --layout pipeline yet: its state lives per stage")
     if layout.stage_axis and args.resume:
         raise UserError("--resume does not apply to --layout pipeline yet: its state lives per stage")
+    if args.resume and not (args.run_name or args.checkpoint_dir):
+        raise UserError("--resume needs --run-name NAME, the run to continue (or --checkpoint-dir)")
     if budget and train_config.batch_schedule:
         raise UserError("--auto-batch picks one batch size; drop it or --batch-schedule")
     if args.run_name:
@@ -209,7 +243,7 @@ def _check_flags(args, layout, train_config, budget) -> None:
         check_checkpoint_flags(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
 
 
-def load_data(args, num_classes: int) -> tuple[Dataset, Dataset]:
+def load_data(args, num_classes: int, decode_test: bool = True) -> tuple[Dataset, Dataset]:
     """(training set, test set): --synthetic images, a --dataset by name, or --data (a CSV or
     an image folder) with --test-data -- or, for your own --data without one, --val-split
     of it held out (never the bundled test file beside your training file)."""
@@ -229,7 +263,7 @@ def load_data(args, num_classes: int) -> tuple[Dataset, Dataset]:
         raise UserError(
             f"test images are {test_set.image_shape}, training images {train_set.image_shape}; use matching files"
         )
-    return train_set, test_set.loaded()  # evaluated every epoch: an image folder's decoded once
+    return train_set, test_set.loaded() if decode_test else test_set  # evaluated every epoch: decoded once
 
 
 def input_workers(flag: int | None, train_set: Dataset) -> int:
@@ -255,10 +289,16 @@ def _open_checkpoints(args) -> Checkpointer | None:
 
 def start_state(program, checkpointer, resume: bool):
     """A fresh state, or (--resume) the newest good checkpoint restored into this program's
-    shardings -- which may be another layout's or mesh's than it was saved under."""
+    shardings -- which may be another layout's or mesh's than it was saved under. An empty
+    --checkpoint-dir starts from step 0; a run directory with no saved state is an error."""
     if checkpointer is None or not resume:
         return program.init(), None
     restored = checkpointer.restore_latest(program.abstract_state)
+    if restored is None and checkpointer.every is None:  # the run directory's: only a Ctrl-C saves there
+        raise UserError(
+            f"nothing to resume in {checkpointer.directory.parent}: no state was saved there (a Ctrl-C saves one; "
+            "a run that failed saves none); train it again with --overwrite"
+        )
     if restored is None:
         warnings.warn(f"no checkpoint in {checkpointer.directory} yet; starting from step 0", stacklevel=2)
         return program.init(), None

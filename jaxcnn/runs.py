@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,10 +68,27 @@ def prepare_run_dir(
     if not create:  # the first process creates it (and may have already)
         return path
     check_run_dir(path, overwrite=overwrite, resume=resume, must_exist=must_exist)
-    if path.exists() and not resume:
-        shutil.rmtree(path)  # --overwrite, checked above
+    if path.exists() and not resume:  # --overwrite: the old run waits aside until the new one has finished
+        shutil.rmtree(_aside(path), ignore_errors=True)
+        path.rename(_aside(path))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _aside(path: Path) -> Path:
+    return path.with_name(f".{path.name}.replaced")
+
+
+def finish_overwrite(path: Path) -> None:
+    """The new run has finished (or stopped with its state saved): the run it replaces goes."""
+    shutil.rmtree(_aside(path), ignore_errors=True)
+
+
+def undo_overwrite(path: Path) -> None:
+    """The new run failed: the run it was to replace comes back in its place."""
+    if _aside(path).is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+        _aside(path).rename(path)
 
 
 def write_config(run_dir: Path, flags: argparse.Namespace) -> Path:
@@ -109,18 +127,24 @@ class Run:
 
 def open_run(path: str | Path) -> Run:
     """The run in `path` (a directory `jaxcnn train` wrote), checked to hold a trained model."""
-    directory = Path(path)
+    directory = Path(path).resolve()  # `--run .` is named by the directory's own name
     if not directory.is_dir():
-        raise UserError(f"run directory {directory} not found; pass --run runs/<name>, a directory `jaxcnn train` wrote")
+        raise UserError(f"run directory {path} not found; pass --run runs/<name>, a directory `jaxcnn train` wrote")
     if not (directory / CONFIG).is_file():
-        raise UserError(f"{directory} is not a run directory (no {CONFIG}); pass one `jaxcnn train` wrote")
+        raise UserError(f"{path} is not a run directory (no {CONFIG}); pass one `jaxcnn train` wrote")
     flags = argparse.Namespace(**read_config(directory))
     if not (directory / MODEL).is_dir():
+        if any(p.name.isdigit() for p in (directory / CHECKPOINTS).glob("*")):
+            again = shlex.join(["jaxcnn", "train", "--resume", "--run-name", directory.name, "--results-dir",
+                                str(directory.parent)])  # fmt: skip
+            raise UserError(f"run {directory} has no trained model: it did not finish; continue it with `{again}`")
         raise UserError(
-            f"run {directory} has no trained model: it did not finish; continue it with "
-            f"`jaxcnn train --resume --run-name {directory.name} --results-dir {directory.parent}`"
+            f"run {directory} has no trained model: it stopped before finishing and saved no state to continue "
+            "from; train it again (--overwrite)"
         )
-    record_path = directory / f"{directory.name}.json"
+    # <run name>.json; any other name when the directory was copied or renamed
+    found = [directory / f"{directory.name}.json", *sorted(p for p in directory.glob("*.json") if p.name != CONFIG)]
+    record_path = next((p for p in found if p.is_file()), found[0])
     try:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError) as err:

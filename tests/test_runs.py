@@ -116,8 +116,15 @@ def test_a_run_directory_is_never_overwritten_without_overwrite(finished_run, tm
     with pytest.raises(SystemExit):  # --overwrite never deletes what jaxcnn did not write
         cli.run_main("jaxcnn train", lambda: module.main([*flags[:-3], "--run-name", "notarun", "--overwrite"]))
     assert "is not a run directory" in capsys.readouterr().err
+    diverges = ["--optimizer", "sgd", "--momentum", "0", "--lr", "1e30", "--schedule", "constant", "--warmup-steps",
+                "0", "--norm", "none", "--max-steps", "12", "--overwrite"]  # fmt: skip
+    with pytest.raises(SystemExit):  # the new run fails: the run it was to replace is put back untouched
+        cli.run_main("jaxcnn train", lambda: module.main([*flags, *diverges]))
+    assert "training loss is nan" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
     record = module.main([*flags, "--overwrite"])
     assert record["steps"] == 2 and json.loads((copy / "r.json").read_text())["steps"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notarun", "r"]  # the old run is gone once replaced
 
 
 def test_predict_on_a_folder_names_each_file_with_its_class_and_probability(tmp_path):
@@ -156,12 +163,13 @@ def _bad_cases(tmp_path, run_dir):
     return {
         "missing run": (["--run", str(tmp_path / "nowhere")], "not found; pass --run"),
         "not a run": (["--run", str(tmp_path)], "is not a run directory (no config.json)"),
-        "unfinished run": (["--run", str(unfinished)], "has no trained model: it did not finish"),
+        "unfinished run": (["--run", str(unfinished)], "has no trained model: it stopped before finishing"),
         "another model": (["--run", str(other)], "is not this model: "),
         "missing data": (["--run", str(run_dir), "--data", str(tmp_path / "none.csv")], "not found"),
         "unreadable data": (["--run", str(run_dir), "--data", str(garbage)], "garbage.csv"),
         "other image size": (["--run", str(run_dir), "--data", str(wide)], "are 6x6x1, but the run's model takes 8x8x1"),
         "pipeline": (["--run", str(run_dir), "--layout", "pipeline"], "use --layout dp"),
+        "negative batch": (["--run", str(run_dir), "--batch-size", "-2"], "--batch-size must be a positive integer"),
     }
 
 
@@ -174,6 +182,50 @@ def test_bad_input_to_predict_and_evaluate_is_one_line_exit_2(finished_run, tmp_
         lines = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2 and len(lines) == 1 and message in lines[0], (case, lines)
         assert not (tmp_path / "out").exists(), case
+    wrong_kind = tmp_path / ("a_dir" if command is predict else "a_file")  # --out must be a file / a directory
+    wrong_kind.mkdir() if command is predict else wrong_kind.write_text("kept")
+    with pytest.raises(SystemExit):
+        cli.run_main(command.PROG, lambda: command.main(["--run", str(run_dir), "--out", str(wrong_kind), "--overwrite"]))
+    assert f"--out {wrong_kind} is a" in capsys.readouterr().err
+
+
+def test_evaluate_on_class_folders_uses_the_runs_class_names(finished_run, tmp_path):
+    """A CSV-trained run's classes are the labels' names: folder "7" is label 7, not the
+    second folder in sorted order."""
+    from PIL import Image
+
+    test = pd.read_csv(REPO / "data/test.csv")
+    for label in (3, 7):
+        (tmp_path / "digits" / str(label)).mkdir(parents=True)
+        for i, row in enumerate(test[test["label"] == label].drop(columns="label").to_numpy()[:5]):
+            Image.fromarray((row.reshape(8, 8) * 16).clip(0, 255).astype(np.uint8)).save(
+                tmp_path / "digits" / str(label) / f"{i}.png"
+            )
+    run_dir, _ = finished_run
+    evaluate.main(["--run", str(run_dir), "--data", str(tmp_path / "digits"), "--out", str(tmp_path / "eval")])
+    per_class = pd.read_csv(tmp_path / "eval" / "per_class.csv").set_index("class")
+    assert per_class.loc[[3, 7], "examples"].tolist() == [5, 5] and per_class["examples"].sum() == 10
+
+
+def test_resume_refuses_flags_that_change_the_saved_steps(tmp_path, capsys):
+    module = load_train_module()
+    flags = [*TINY, "--quiet", "--results-dir", str(tmp_path)]
+    saved = ["--checkpoint-dir", str(tmp_path / "ck"), "--max-steps", "20"]
+    module.main([*flags, *saved, "--checkpoint-every", "10", "--run-name", "a"])
+    refused = "other steps per epoch, batch or seed"
+    cases = {
+        "another batch": ([*saved, "--run-name", "b", "--resume", "--batch-size", "64"], refused),
+        "another seed": ([*saved, "--run-name", "b", "--resume", "--seed", "3"], refused),
+        "fewer steps": ([*saved[:2], "--max-steps", "10", "--run-name", "b", "--resume"], refused),
+        "no run named": (["--resume"], "--resume needs --run-name NAME"),
+        "checkpoints in the run": (["--run-name", "c", "--checkpoint-dir", str(tmp_path / "c" / "ck")], "is inside"),
+    }
+    for case, (extra, message) in cases.items():
+        with pytest.raises(SystemExit) as exit_info:
+            cli.run_main("jaxcnn train", lambda extra=extra: module.main([*flags, *extra]))
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(lines) == 1 and message in lines[0], (case, lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "ck"]  # nothing made for the refused runs
 
 
 def _train_process(*flags):
@@ -201,7 +253,7 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
     assert run.returncode == 130, err
     assert "state saved in" in err and "continue with: jaxcnn train --resume --run-name run" in err, err
     partial = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert partial["interrupted_at_step"] == len(partial["loss_history"]) >= 2 * 22
+    assert partial["interrupted_at_step"] == len(partial["loss_history"]) >= 2 * 44
     assert partial["test_accuracy"] is None and not (tmp_path / "run" / "model").exists()
     assert list(pd.read_csv(tmp_path / "run" / "run.csv")["epoch"])[:2] == [1, 2]
     resumed = subprocess.run(
@@ -216,6 +268,11 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
         *(pd.read_csv(tmp_path / n / f"{n}.csv")[["epoch", "step", "train_loss", "test_accuracy"]] for n in ("ref", "run"))
     )
     assert (tmp_path / "run" / "model").is_dir() and not (tmp_path / "run" / "checkpoints").exists()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))  # both parts' event files
+    events.Reload()
+    assert sorted({e.step for e in events.Scalars("train/loss")}) == list(range(1, len(ref["loss_history"]) + 1))
+    epoch_ends = list(pd.read_csv(tmp_path / "ref" / "ref.csv")["step"])
+    assert sorted({e.step for e in events.Scalars("test/accuracy")}) == epoch_ends and len(epoch_ends) == 5
 
 
 def test_a_second_ctrl_c_exits_at_once():

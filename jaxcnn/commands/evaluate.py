@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxcnn import cli
-from jaxcnn.commands.predict import add_model_run_flags, class_names, load_model_and_data
+from jaxcnn.commands.predict import add_model_run_flags, class_names, fresh_output, load_model_and_data
 
 PROG = "jaxcnn evaluate"
 
@@ -31,18 +31,15 @@ def main(argv=None) -> dict:
     import pandas as pd
 
     from jaxcnn import results
-    from jaxcnn.errors import UserError
     from jaxcnn.inference import evaluation
     from jaxcnn.plots import confusion_plot
 
     out = Path(args.out) if args.out else None
-    if out is not None and out.exists() and not args.overwrite:
-        raise UserError(f"--out {out} already exists; pass --overwrite to replace it or another --out")
+    fresh_output(out, args.overwrite, "directory")
     run, dataset, predictor, name = load_model_and_data(args, need_labels=True)
     out = out or run.directory / (f"evaluation-{name}" if name else "evaluation")
-    if out.exists() and not args.overwrite:
-        raise UserError(f"{out} already exists; pass --overwrite to replace it or --out DIR")
-    results.ensure_writable_dir(out)
+    fresh_output(out, args.overwrite, "directory")
+    results.ensure_writable_dir(out, "--out")
     names = class_names(run)
     report = evaluation(predictor.logits(dataset), dataset.labels, names)
     summary = {

@@ -58,14 +58,18 @@ def load_model_and_data(args, need_labels: bool):
     from jaxcnn.sharding import ParallelDims, build_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
     from jaxcnn.sharding.mesh import devices_needed, host_devices_for, simulate_cpu_devices
 
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    layout = parse_rules(args.layout_rules) if args.layout_rules else get_layout(args.layout)
+    if layout.stage_axis:
+        raise UserError("predict and evaluate run one SPMD program: use --layout dp (the default) or any but pipeline")
+    mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
     run = runs.open_run(args.run)
     flags = run.flags
     model_config = cli.model_from_flags(flags)
     image_shape = tuple(run.record["image_shape"])
-    layout = parse_rules(args.layout_rules) if args.layout_rules else get_layout(args.layout)
-    mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
-    if args.data is None:
-        dataset, name = load_data(flags, model_config.num_classes)[1], None
+    if args.data is None:  # the run's own test set, its files still named (not decoded into memory)
+        dataset, name = load_data(flags, model_config.num_classes, decode_test=False)[1], None
     else:
         path = Path(args.data)
         if not path.exists():
@@ -73,7 +77,7 @@ def load_model_and_data(args, need_labels: bool):
         size = f"{image_shape[0]}x{image_shape[1]}" if path.is_dir() else None  # images resized to the model's input
         dataset = load_source(
             path, channels=flags.channels, num_classes=model_config.num_classes, image_size=size,
-            classes=run.record.get("classes"), need_labels=need_labels,
+            classes=class_names(run), need_labels=need_labels,
         )  # fmt: skip
         name = path.stem or path.name
     if dataset.image_shape != image_shape:
@@ -103,23 +107,33 @@ def class_names(run) -> list[str]:
     return run.record.get("classes") or [str(label) for label in range(run.flags.num_classes)]
 
 
+def fresh_output(path: Path | None, overwrite: bool, kind: str) -> None:
+    """Output is never overwritten without --overwrite, and is the `kind` ("file" or
+    "directory") it should be: checked before anything slow."""
+    from jaxcnn.errors import UserError
+
+    if path is None or not path.exists():
+        return
+    if path.is_dir() != (kind == "directory"):
+        raise UserError(f"--out {path} is a {'directory' if path.is_dir() else 'file'}; give a {kind}")
+    if not overwrite:
+        raise UserError(f"{path} already exists; pass --overwrite to replace it, or another --out")
+
+
 def main(argv=None):
     args = parse_flags(argv)
     import numpy as np
     import pandas as pd
 
     from jaxcnn import results
-    from jaxcnn.errors import UserError
     from jaxcnn.inference import probabilities
 
     out = Path(args.out) if args.out else None
-    if out is not None and out.exists() and not args.overwrite:
-        raise UserError(f"--out {out} already exists; pass --overwrite to replace it or another --out")
+    fresh_output(out, args.overwrite, "file")
     run, dataset, predictor, name = load_model_and_data(args, need_labels=False)
     out = out or run.directory / (f"predictions-{name}.csv" if name else "predictions.csv")
-    if out.exists() and not args.overwrite:
-        raise UserError(f"{out} already exists; pass --overwrite to replace it or --out FILE")
-    results.ensure_writable_dir(out.parent)
+    fresh_output(out, args.overwrite, "file")
+    results.ensure_writable_dir(out.parent, "--out")
     probs = probabilities(predictor.logits(dataset))
     predicted = probs.argmax(-1)
     if dataset.in_memory:  # a CSV (or the run's own test set): Kaggle's format
