@@ -136,20 +136,28 @@ class Resume:
         )  # fmt: skip
 
     def check_continues(self, train_size: int, config: TrainConfig) -> None:
-        """Refuse to resume under flags that change what the saved steps were: the seed, or
-        the steps and batch of any epoch up to the one it stopped in (the batch size, the
-        batch schedule, the data). Later epochs may change (more --epochs)."""
-        if self.plan is None:
+        """Refuse to resume under flags that change the steps already taken: the seed, the
+        steps and batch of every epoch before the one it stopped in, that epoch's batch, or
+        fewer steps in it than were taken (batch size, batch schedule, data, --max-steps).
+        Later steps may change (more --epochs or --max-steps). And a checkpoint whose loader
+        position is not its state's step is refused (checked here: before anything is written)."""
+        _loader_position(self)
+        if self.plan is None:  # saved before plans were recorded
             return
         plan = epoch_plan(epoch_steps(train_size, config), config)
-        upto = next((k + 1 for k, done in enumerate(np.cumsum([n for n, _ in self.plan])) if done >= self.step), None)
-        if self.seed != config.seed or upto is None or plan[:upto] != self.plan[:upto]:
+        ends = np.cumsum([count for count, _ in self.plan])
+        k = int(np.searchsorted(ends, self.step))  # the epoch the saved step falls in
+        taken = self.step - (int(ends[k - 1]) if k else 0)  # steps of it already taken
+        same = (
+            self.seed == config.seed and k < len(plan) and plan[:k] == self.plan[:k]
+            and plan[k][1] == self.plan[k][1] and plan[k][0] >= taken
+        )  # fmt: skip
+        if not same:
             raise UserError(
                 f"the saved state (step {self.step}) was trained with other steps per epoch, batch or seed than "
                 "these flags give: resume with the flags it was saved with (its run's config.json), "
                 "or start a new --run-name"
             )
-
 
     def rows(self, plan: list[int], config: TrainConfig) -> list[dict]:
         """The epoch rows of a restored run, one for every epoch it had finished. Checkpoints

@@ -147,12 +147,13 @@ def train(args) -> dict:
                 if lead:
                     shutil.rmtree(run_dir / runs.CHECKPOINTS, ignore_errors=True)  # the model replaces a Ctrl-C's state
         except BaseException:
-            if lead and args.overwrite:
+            if lead and args.overwrite:  # (never with --resume: refused)
                 runs.undo_overwrite(run_dir)  # the run it was to replace comes back
             raise
     record["wall_seconds"] = time.perf_counter() - started
-    if lead:
+    if lead and (saved_to or not interrupted):  # the new run finished, or can be continued
         runs.finish_overwrite(run_dir)
+    if lead:
         _write_results(args, record, outcome, test_set, run_dir, interrupted)
         if interrupted:
             _stopped(args, run_dir, outcome, saved_to)
@@ -171,9 +172,17 @@ def _fit_in_run_dir(
     lead = jax.process_index() == 0
     tensorboard = keep_on_interrupt = None
     try:
-        if args.resume and not args.checkpoint_dir:  # what an earlier Ctrl-C saved in the run directory
+        if args.resume and (run_dir / runs.CHECKPOINTS).is_dir():  # what an earlier Ctrl-C saved there
             keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
-        state, resume = start_state(program, checkpointer or keep_on_interrupt, args.resume)
+        # resume from the newest state of the two (a Ctrl-C saves to both; a new --checkpoint-dir has none)
+        sources = [c for c in (checkpointer, keep_on_interrupt) if c is not None]
+        source = max(sources, key=lambda c: max(c.steps(), default=-1), default=None)
+        if args.resume and source is None:
+            raise UserError(
+                f"nothing to resume in {run_dir}: no state was saved there (a Ctrl-C saves one; a run that failed "
+                "saves none); train it again with --overwrite"
+            )
+        state, resume = start_state(program, source, args.resume)
         if resume is not None:
             resume.check_continues(len(loader), train_config)
         # the run directory is made (or replaces the old one, with --overwrite) once nothing is left to refuse
@@ -235,6 +244,8 @@ def _check_flags(args, layout, train_config, budget) -> None:
         raise UserError("--resume does not apply to --layout pipeline yet: its state lives per stage")
     if args.resume and not (args.run_name or args.checkpoint_dir):
         raise UserError("--resume needs --run-name NAME, the run to continue (or --checkpoint-dir)")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues a run and --overwrite replaces it: give one")
     if budget and train_config.batch_schedule:
         raise UserError("--auto-batch picks one batch size; drop it or --batch-schedule")
     if args.run_name:
@@ -290,15 +301,12 @@ def _open_checkpoints(args) -> Checkpointer | None:
 def start_state(program, checkpointer, resume: bool):
     """A fresh state, or (--resume) the newest good checkpoint restored into this program's
     shardings -- which may be another layout's or mesh's than it was saved under. An empty
-    --checkpoint-dir starts from step 0; a run directory with no saved state is an error."""
+    --checkpoint-dir starts from step 0."""
     if checkpointer is None or not resume:
         return program.init(), None
     restored = checkpointer.restore_latest(program.abstract_state)
     if restored is None and checkpointer.every is None:  # the run directory's: only a Ctrl-C saves there
-        raise UserError(
-            f"nothing to resume in {checkpointer.directory.parent}: no state was saved there (a Ctrl-C saves one; "
-            "a run that failed saves none); train it again with --overwrite"
-        )
+        raise UserError(f"nothing to resume in {checkpointer.directory.parent}: its saved state is unreadable")
     if restored is None:
         warnings.warn(f"no checkpoint in {checkpointer.directory} yet; starting from step 0", stacklevel=2)
         return program.init(), None

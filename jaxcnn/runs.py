@@ -69,8 +69,11 @@ def prepare_run_dir(
         return path
     check_run_dir(path, overwrite=overwrite, resume=resume, must_exist=must_exist)
     if path.exists() and not resume:  # --overwrite: the old run waits aside until the new one has finished
-        shutil.rmtree(_aside(path), ignore_errors=True)
-        path.rename(_aside(path))
+        if _aside(path).is_dir() and not (path / MODEL).exists():
+            shutil.rmtree(path)  # an earlier --overwrite never finished: what it replaces is still aside
+        else:
+            shutil.rmtree(_aside(path), ignore_errors=True)
+            path.rename(_aside(path))
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -219,6 +219,7 @@ def test_resume_refuses_flags_that_change_the_saved_steps(tmp_path, capsys):
         "fewer steps": ([*saved[:2], "--max-steps", "10", "--run-name", "b", "--resume"], refused),
         "no run named": (["--resume"], "--resume needs --run-name NAME"),
         "checkpoints in the run": (["--run-name", "c", "--checkpoint-dir", str(tmp_path / "c" / "ck")], "is inside"),
+        "resume and overwrite": ([*saved, "--run-name", "a", "--resume", "--overwrite"], "give one"),
     }
     for case, (extra, message) in cases.items():
         with pytest.raises(SystemExit) as exit_info:
@@ -226,6 +227,8 @@ def test_resume_refuses_flags_that_change_the_saved_steps(tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2 and len(lines) == 1 and message in lines[0], (case, lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "ck"]  # nothing made for the refused runs
+    longer = module.main([*flags, *saved[:2], "--max-steps", "30", "--run-name", "d", "--resume"])  # more is fine
+    assert longer["resumed_from_step"] == 20 and len(longer["loss_history"]) == 30
 
 
 def _train_process(*flags):

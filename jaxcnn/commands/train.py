@@ -53,7 +53,7 @@ def parse_flags(argv=None):
 
         saved = runs.read_config(run_dir)
         known = {action.dest for action in flags._actions}
-        flags.set_defaults(**{k: v for k, v in saved.items() if k in known and k != "resume"})
+        flags.set_defaults(**{k: v for k, v in saved.items() if k in known and k not in ("resume", "overwrite")})
         args = flags.parse_args(argv)
     return args
 
