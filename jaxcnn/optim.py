@@ -75,18 +75,25 @@ def optim_for_batch(config: OptimConfig, train: TrainConfig, batch_size: int) ->
     return dataclasses.replace(config, learning_rate=config.learning_rate * factor, warmup_from=warmup_from)
 
 
-def learning_rate_at(config: OptimConfig, train: TrainConfig, train_size: int) -> Callable[[int], float]:
-    """step (0-based) -> the learning rate that step trains with, batch schedule included."""
+def learning_rates(config: OptimConfig, train: TrainConfig, train_size: int) -> Callable[[np.ndarray], np.ndarray]:
+    """steps (0-based) -> the learning rate each trains with, batch schedule included: one
+    evaluation of a schedule per batch size, not one per step."""
     plan = epoch_steps(train_size, train)
     ends = np.cumsum(plan)
     steps = int(ends[-1]) if len(ends) else 0
     schedules = {b: make_schedule(optim_for_batch(config, train, b), steps) for b in train.batch_sizes}
+    batch_of_epoch = np.array([train.batch_for_epoch(epoch) for epoch in range(len(plan))])
 
-    def rate(step: int) -> float:
-        epoch = min(int(np.searchsorted(ends, step, side="right")), len(plan) - 1)
-        return float(schedules[train.batch_for_epoch(epoch)](step))
+    def rates(steps: np.ndarray) -> np.ndarray:
+        steps = np.asarray(steps)
+        batches = batch_of_epoch[np.minimum(np.searchsorted(ends, steps, side="right"), len(plan) - 1)]
+        out = np.zeros(len(steps))
+        for batch, schedule in schedules.items():
+            if (here := batches == batch).any():
+                out[here] = np.asarray(schedule(steps[here]))
+        return out
 
-    return rate
+    return rates
 
 
 def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, param_shardings, mesh: Mesh):

@@ -45,7 +45,7 @@ from jaxcnn.data.loader import check_input_options
 from jaxcnn.distributed import cluster_from, initialize
 from jaxcnn.errors import UserError
 from jaxcnn.fit import FitResult, Interrupted, Resume, fit, interrupt_requests
-from jaxcnn.optim import learning_rate_at, optim_for_batch
+from jaxcnn.optim import learning_rates, optim_for_batch
 from jaxcnn.plots import curves_plot
 from jaxcnn.saved_model import save_model
 from jaxcnn.sharding import ParallelDims, build_mesh, format_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
@@ -136,7 +136,7 @@ def train(args) -> dict:
         try:
             outcome, interrupted, saved_to = _fit_in_run_dir(
                 args, programs, train_config, loader, test_set, run_dir, checkpointer, stop_requested,
-                learning_rate_at(optim_config, train_config, len(train_set)) if lead else None,
+                learning_rates(optim_config, train_config, len(train_set)) if lead else None,
                 resumable=not layout.stage_axis and cluster.num_processes == 1,
             )  # fmt: skip
             record = run_record(args, configs, programs, train_config, outcome, loader, test_set)
@@ -163,7 +163,7 @@ def train(args) -> dict:
 
 
 def _fit_in_run_dir(
-    args, programs, train_config, loader, test_set, run_dir: Path, checkpointer, stop_requested, learning_rate,
+    args, programs, train_config, loader, test_set, run_dir: Path, checkpointer, stop_requested, learning_rates,
     resumable: bool,
 ) -> tuple[FitResult, bool, list]:
     """Restore (--resume), make the run directory, fit with TensorBoard logging and Ctrl-C
@@ -189,7 +189,7 @@ def _fit_in_run_dir(
         runs.prepare_run_dir(args.results_dir, run_dir.name, overwrite=args.overwrite, resume=args.resume, create=lead)
         if lead:
             runs.write_config(run_dir, args)
-            tensorboard = runs.TensorBoardLog(run_dir / runs.TENSORBOARD, learning_rate)
+            tensorboard = runs.TensorBoardLog(run_dir / runs.TENSORBOARD, learning_rates)
         if keep_on_interrupt is None and resumable:  # a pipeline's state lives per stage: not saved yet
             keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
         outcome = fit(

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tensorboardX import SummaryWriter
 
 from jaxcnn.errors import UserError
@@ -159,15 +160,16 @@ class TensorBoardLog:
     """A run's TensorBoard event files (tensorboardX): the loss and learning rate of every
     step; accuracy, test figures, images/s and input stall of every epoch."""
 
-    def __init__(self, directory: Path, learning_rate: Callable[[int], float]):
+    def __init__(self, directory: Path, learning_rates: Callable[[np.ndarray], np.ndarray]):
         self.writer = SummaryWriter(str(directory), flush_secs=30)
-        self.learning_rate = learning_rate
+        self.learning_rates = learning_rates  # optim.learning_rates: step (0-based) -> rate
 
     def epoch(self, row: dict, losses: list[float]) -> None:
         first = row["step"] - len(losses)
-        for step, loss in enumerate(losses, first + 1):
+        rates = self.learning_rates(np.arange(first, row["step"]))
+        for step, loss, rate in zip(range(first + 1, row["step"] + 1), losses, rates, strict=True):
             self.writer.add_scalar("train/loss", loss, step)
-            self.writer.add_scalar("train/learning_rate", self.learning_rate(step - 1), step)
+            self.writer.add_scalar("train/learning_rate", rate, step)
         step = row["step"]
         self.writer.add_scalar("train/accuracy", row["train_accuracy"], step)
         if row["test_accuracy"] is not None:

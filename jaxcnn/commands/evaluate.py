@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxcnn import cli
-from jaxcnn.commands.predict import add_model_run_flags, class_names, fresh_output, load_model_and_data
+from jaxcnn.commands.predict import add_model_run_flags, class_names, fresh_output, load_model_and_data, output_for
 
 PROG = "jaxcnn evaluate"
 
@@ -34,12 +34,9 @@ def main(argv=None) -> dict:
     from jaxcnn.inference import evaluation
     from jaxcnn.plots import confusion_plot
 
-    out = Path(args.out) if args.out else None
-    fresh_output(out, args.overwrite, "directory")
+    fresh_output(Path(args.out) if args.out else None, args.overwrite, "directory")  # before anything slow
     run, dataset, predictor, name = load_model_and_data(args, need_labels=True)
-    out = out or run.directory / (f"evaluation-{name}" if name else "evaluation")
-    fresh_output(out, args.overwrite, "directory")
-    results.ensure_writable_dir(out, "--out")
+    out = output_for(args, run, name, "evaluation", "directory")
     names = class_names(run)
     report = evaluation(predictor.logits(dataset), dataset.labels, names)
     summary = {

@@ -120,6 +120,18 @@ def fresh_output(path: Path | None, overwrite: bool, kind: str) -> None:
         raise UserError(f"{path} already exists; pass --overwrite to replace it, or another --out")
 
 
+def output_for(args, run, name: str | None, stem: str, kind: str) -> Path:
+    """--out, or <run>/<stem>[-<data name>] (a .csv for a "file"): new unless --overwrite,
+    its directory writable."""
+    from jaxcnn import results
+
+    suffix = ".csv" if kind == "file" else ""
+    out = Path(args.out) if args.out else run.directory / (f"{stem}-{name}{suffix}" if name else f"{stem}{suffix}")
+    fresh_output(out, args.overwrite, kind)
+    results.ensure_writable_dir(out if kind == "directory" else out.parent, "--out")
+    return out
+
+
 def main(argv=None):
     args = parse_flags(argv)
     import numpy as np
@@ -128,12 +140,9 @@ def main(argv=None):
     from jaxcnn import results
     from jaxcnn.inference import probabilities
 
-    out = Path(args.out) if args.out else None
-    fresh_output(out, args.overwrite, "file")
+    fresh_output(Path(args.out) if args.out else None, args.overwrite, "file")  # before anything slow
     run, dataset, predictor, name = load_model_and_data(args, need_labels=False)
-    out = out or run.directory / (f"predictions-{name}.csv" if name else "predictions.csv")
-    fresh_output(out, args.overwrite, "file")
-    results.ensure_writable_dir(out.parent, "--out")
+    out = output_for(args, run, name, "predictions", "file")
     probs = probabilities(predictor.logits(dataset))
     predicted = probs.argmax(-1)
     if dataset.in_memory:  # a CSV (or the run's own test set): Kaggle's format
