@@ -28,15 +28,20 @@ from jaxcnn.errors import UserError
 
 PROG = "speedups.py"
 SIZES = {size: ALL_SIZES[size] for size in ("28", "224")}
-ONEDNN = {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_custom_call": True}
-YNN_ELTWISE = ",LIBRARY_FUSION_TYPE_ELTWISE"
-# name -> (adopted, keep freed host memory, Eigen convolutions, extra)
+# XLA:CPU options tried on top of jaxcnn's (CPU_STEP_OPTIONS)
+EXTRA_OPTIONS = {
+    "onednn": {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_custom_call": True},
+    "eltwise": {YNN_FUSION_TYPES: CPU_STEP_OPTIONS[YNN_FUSION_TYPES] + ",LIBRARY_FUSION_TYPE_ELTWISE"},
+    "xnn-graph": {"xla_cpu_experimental_xnn_graph_fusion_mode": "XNN_GRAPH_FUSION_MODE_GREEDY"},
+}
+# name -> (adopted, keep freed host memory, Eigen convolutions, extra: a key of EXTRA_OPTIONS or "bfloat16")
 VARIANTS = {
     "jax defaults": (False, False, False, None),
     "+ keep freed host memory": (True, True, False, None),
     "+ Eigen convolutions (jaxcnn)": (True, True, True, None),
     "jaxcnn + oneDNN convolutions": (False, True, True, "onednn"),
     "jaxcnn + YNNPACK elementwise fusions": (False, True, True, "eltwise"),
+    "jaxcnn + XNNPACK graph fusion": (False, True, True, "xnn-graph"),
     "jaxcnn in bfloat16": (False, True, True, "bfloat16"),
 }
 COLUMNS = ["size", "variant", "adopted", "median_step_seconds", "images_per_second", "speedup_vs_jax_defaults", "steps"]
@@ -57,11 +62,7 @@ def child(variant: str, size: str, steps: int) -> None:
     _, _, eigen, extra = VARIANTS[variant]
     options = {}  # XLA's defaults
     if eigen:
-        options = dict(CPU_STEP_OPTIONS)
-        if extra == "onednn":
-            options.update(ONEDNN)
-        if extra == "eltwise":
-            options[YNN_FUSION_TYPES] += YNN_ELTWISE
+        options = {**CPU_STEP_OPTIONS, **EXTRA_OPTIONS.get(extra, {})}
     image_shape, batch = SIZES[size]
     config = ModelConfig(dtype="bfloat16" if extra == "bfloat16" else "float32")
     program = timing_program(config, image_shape, batch, compiler_options=options)  # the switch under test

@@ -6,8 +6,9 @@ import gzip
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
-from conftest import load_train_module
+from conftest import load_script, load_train_module
 
 from jaxcnn.data import load_named
 from jaxcnn.data.datasets import DATASETS, FILES, search_dirs
@@ -147,3 +148,19 @@ def test_download_fetches_the_files_into_the_cache_checked_against_their_md5(tmp
     (site / f"{FILES[2]}.gz").unlink()  # the source lacks a file: one line naming the URL
     with pytest.raises(UserError, match=rf"cannot download {url}{FILES[2]}.gz \(File not found\); put the files in"):
         load_named("mnist", tmp_path / "again", download=True)
+
+
+def test_real_data_speed_sets_the_loader_against_in_memory_images_round_by_round(tmp_path):
+    """experiments/real_data_speed.py: each round runs the dataset through the loader, then
+    the same steps on synthetic images of its shape; the share is that round's ratio."""
+    data = write_mnist_like(tmp_path / "mnist", train=48)
+    out = tmp_path / "speed.csv"
+    rows = load_script("real_data_speed").main([
+        "--dataset", "mnist", "--data-dir", str(data), "--batch-size", "16", "--rounds", "2",
+        "--conv-features", "4,4,4", "--dense-features", "8,8", "--out", str(out),
+    ])  # fmt: skip
+    assert [r["input"] for r in rows] == ["mnist", "synthetic in memory"] * 2
+    assert {r["steps"] for r in rows} == {3}  # one epoch of 48 images, batch 16, for both inputs
+    for real, synthetic in zip(rows[::2], rows[1::2], strict=True):
+        assert real["share_of_synthetic"] == pytest.approx(real["images_per_second"] / synthetic["images_per_second"])
+    assert len(pd.read_csv(out)) == 4
