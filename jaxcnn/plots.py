@@ -1,8 +1,9 @@
 """PNG figures for the reports: layouts, scaling, remat, batch scaling, sync vs async, input
-bound; a run's curves and an evaluation's confusion matrix (matplotlib, Agg)."""
+bound, cost against size; a run's curves and an evaluation's confusion matrix (matplotlib, Agg)."""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -12,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import FormatStrFormatter
 
 from jaxcnn.results import FILE_MODE
 
@@ -231,6 +233,59 @@ def confusion_plot(confusion: np.ndarray, classes: list[str], path: Path, title:
     if len(classes) <= 30:
         dark = confusion.max() / 2
         for (i, j), count in np.ndenumerate(confusion):
-            axes.text(j, i, str(count), ha="center", va="center", fontsize=7, color="white" if count > dark else "black")
+            axes.text(
+                j, i, str(count), ha="center", va="center", fontsize=7, color="white" if count > dark else "black"
+            )
     fig.colorbar(image, ax=axes, shrink=0.8)
+    return _save(fig, path)
+
+
+def overhead_fit_text(t0: float, rate: float) -> str:
+    """The fit step_seconds = t0 + flops / rate in words (experiments/cost_vs_size.py)."""
+    if math.isnan(t0):
+        return "no fit"
+    if math.isinf(rate):
+        return f"t0 {t0 * 1e3:.2f} ms; the step time does not grow with FLOPs"
+    return f"t0 {t0 * 1e3:.2f} ms, rate {rate / 1e9:.1f} GFLOP/s"
+
+
+def cost_vs_size_plot(rows: list[dict], path: Path, title: str) -> Path:
+    """Per model (rows) and sweep (columns): step time against FLOPs per step, log-log, each
+    point labelled, the fit t0 + flops / rate drawn, t0 dashed, compute = overhead dotted."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    sweeps = [s for s in ("size", "batch") if any(r["sweep"] == s for r in rows)]
+    fig, axes = plt.subplots(
+        len(models), len(sweeps), figsize=(6 * len(sweeps), 4.2 * len(models)), squeeze=False, layout="constrained"
+    )
+    for ax_row, model in zip(axes, models, strict=True):
+        for ax, sweep in zip(ax_row, sweeps, strict=True):
+            points = [r for r in rows if r["model"] == model and r["sweep"] == sweep]
+            if not points:
+                ax.set_axis_off()
+                continue
+            x = np.array([r["flops_per_step"] for r in points])
+            y = np.array([r["median_step_seconds"] for r in points])
+            colors = ["tab:orange" if r["verdict"] == "overhead-bound" else "tab:blue" for r in points]
+            ax.scatter(x, y * 1e3, c=colors, zorder=3)
+            for r, xi, yi in zip(points, x, y, strict=True):
+                label = f"{r['image_size']}px" if sweep == "size" else f"b{r['global_batch_size']}"
+                ax.annotate(label, (xi, yi * 1e3), textcoords="offset points", xytext=(4, -10), fontsize=7)
+            t0, rate = points[0]["fit_t0_seconds"], points[0]["fit_flops_per_second"]
+            if not math.isnan(t0):
+                grid = np.geomspace(x.min() / 1.5, x.max() * 1.5, 100)
+                ax.plot(grid, (t0 + grid / rate) * 1e3, "k-", lw=1, label="t0 + flops / rate")
+                if t0 > 0:
+                    ax.axhline(t0 * 1e3, color="tab:orange", ls="--", lw=1, label=f"t0 = {t0 * 1e3:.2f} ms")
+                if 0 < t0 * rate < math.inf and grid[0] <= t0 * rate <= grid[-1]:
+                    ax.axvline(t0 * rate, color="grey", ls=":", lw=1, label="compute = overhead")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+            ax.set_xlabel("FLOPs per step")
+            ax.set_ylabel("step time (ms)")
+            fixed = f"batch {points[0]['global_batch_size']}" if sweep == "size" else f"{points[0]['image_size']}px"
+            ax.set_title(f"{model}: {sweep} sweep at {fixed}\n{overhead_fit_text(t0, rate)}", fontsize=9)
+            ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title + "  (orange: overhead-bound, blue: compute-bound)", fontsize=10)
     return _save(fig, path)

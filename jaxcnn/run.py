@@ -76,7 +76,10 @@ def train(args) -> dict:
     results_dir = results.ensure_writable_dir(args.results_dir)
     if args.run_name:  # the default name needs the mesh; this one can be checked before anything slow
         runs.check_run_dir(
-            results_dir / args.run_name, overwrite=args.overwrite, resume=args.resume, must_exist=not args.checkpoint_dir
+            results_dir / args.run_name,
+            overwrite=args.overwrite,
+            resume=args.resume,
+            must_exist=not args.checkpoint_dir,
         )
     train_set, test_set = load_data(args, model_config.num_classes)
     loader = Loader(
@@ -163,7 +166,15 @@ def train(args) -> dict:
 
 
 def _fit_in_run_dir(
-    args, programs, train_config, loader, test_set, run_dir: Path, checkpointer, stop_requested, learning_rates,
+    args,
+    programs,
+    train_config,
+    loader,
+    test_set,
+    run_dir: Path,
+    checkpointer,
+    stop_requested,
+    learning_rates,
     resumable: bool,
 ) -> tuple[FitResult, bool, list]:
     """Restore (--resume), make the run directory, fit with TensorBoard logging and Ctrl-C

@@ -7,15 +7,60 @@ from conftest import load_script
 
 
 def test_bench_reports_flops_and_an_mfu_below_the_measured_peak(tmp_path):
+    from jaxcnn.config import DEFAULT_MODEL
+
     out = tmp_path / "bench.csv"
     load_script("bench").main(["--configs", "default", "--steps", "2", "--rounds", "2", "--out", str(out)])
     frame = pd.read_csv(out)
     assert set(frame["variant"]) == {"jaxcnn-single", "jaxcnn-dp1", "plain-jit", "plain-jit-cpu-options"}
+    assert (frame["model"] == DEFAULT_MODEL).all() and (frame["config"] == "default").all()
     assert (frame["steps"] == 2).all()
     assert (frame["flops_per_step"] > 0).all() and (frame["images_per_second"] > 0).all()
     assert ((frame["mfu"] > 0) & (frame["mfu"] <= 1)).all()
     # the variants compile the same computation: the same FLOPs within 2%
     assert frame["flops_per_step"].max() <= 1.02 * frame["flops_per_step"].min()
+
+
+def test_every_bench_config_builds_its_model():
+    from jaxcnn.commands import bench
+    from jaxcnn.config import ModelConfig
+
+    assert set(bench.DEFAULT_CONFIGS.split(",")) <= set(bench.CONFIGS)
+    for config in bench.CONFIGS.values():
+        assert ModelConfig(name=config.model).name == config.model
+        assert config.batch >= 1 and config.steps >= config.rounds >= 1
+
+
+def test_bench_fill_finds_the_largest_batch_within_the_budget():
+    import jax
+    from conftest import TINY_PLAIN
+
+    from jaxcnn.analysis.baselines import fill_batch
+
+    device = jax.devices()[0]
+    roomy = fill_batch(TINY_PLAIN, (8, 8, 1), device, 1e12, multiple=32, limit=64)
+    assert roomy.batch_size == 64  # everything fits: the cap
+    peaks = dict(roomy.probes)
+    assert peaks[32] < peaks[64]  # memory grows with the batch
+    tight = fill_batch(TINY_PLAIN, (8, 8, 1), device, (peaks[32] + peaks[64]) / 2, multiple=32, limit=64)
+    assert tight.batch_size == 32 and tight.peak_bytes <= tight.budget_bytes < dict(tight.probes)[64]
+
+
+def test_bench_fill_on_a_device_without_memory_figures_asks_for_a_budget(tmp_path):
+    import jax
+
+    from jaxcnn.analysis.baselines import device_memory_bytes
+    from jaxcnn.commands import bench
+    from jaxcnn.errors import UserError
+
+    out = str(tmp_path / "bench.csv")
+    if device_memory_bytes(jax.devices()[0]) is None:  # a CPU
+        with pytest.raises(UserError, match="--fill-memory"):
+            bench.main(["--configs", "default", "--batch", "fill", "--out", out])
+    with pytest.raises(UserError, match="--batch fill"):
+        bench.main(["--configs", "default", "--fill-memory", "1GiB", "--out", out])
+    with pytest.raises(SystemExit):
+        bench.parse_flags(["--batch", "0"])
 
 
 def test_torch_twin_computes_what_jaxcnn_computes():
@@ -54,3 +99,65 @@ def test_backend_comparison_refuses_models_that_disagree():
     images = np.random.default_rng(0).random((4, 28, 28, 1), dtype=np.float32)
     with pytest.raises(UserError, match="disagree on the loss"):
         torch_twin.check_agreement(jax_model, twin, images, np.arange(4, dtype=np.int32))
+
+
+def _resnet18(stem: str, side: int):
+    from jaxcnn.config import ModelConfig
+    from jaxcnn.models import build_model
+
+    config = ModelConfig(name="resnet18", stem=stem)
+    return config, build_model(config, (side, side, 3), 0)
+
+
+@pytest.mark.parametrize("stem, side", [("small", 16), ("imagenet", 64)])
+def test_resnet_twin_computes_what_jaxcnn_computes(stem, side):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchvision")
+    import jax.numpy as jnp
+
+    from jaxcnn.analysis import torch_twin
+
+    config, jax_model = _resnet18(stem, side)
+    twin = torch_twin.torch_model(jax_model, config)
+    images = np.random.default_rng(0).random((4, side, side, 3), dtype=np.float32)
+    with torch.no_grad():
+        theirs = twin.train()(torch.from_numpy(images)).numpy()
+    ours = np.asarray(jax_model(jnp.asarray(images), train=True))
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    agreement = torch_twin.check_agreement(jax_model, twin, images, np.arange(4, dtype=np.int32))
+    assert agreement["jaxcnn"] < 1e-4 and agreement["torch"] < 1e-4  # both near the float64 answer
+    assert agreement["loss_diff"] < 1e-5
+
+
+def test_resnet_twin_holds_every_jax_weight_and_statistic():
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxcnn.analysis import torch_twin
+
+    config, jax_model = _resnet18("small", 16)
+    # fresh norms are 1s and 0s in both libraries: move every jax value, so a tensor left
+    # unwritten still equals torchvision's initial one
+    rng = np.random.default_rng(1)
+    for path, variable in nnx.iter_graph(jax_model):
+        if isinstance(variable, (nnx.Param, nnx.BatchStat)):
+            value = np.asarray(variable.get_value())
+            factor = rng.uniform(0.5, 1.5, value.shape).astype(value.dtype)
+            scaled = path[-1] in ("kernel", "scale", "var")  # a variance stays positive
+            variable.set_value(jnp.asarray(value * factor if scaled else value + factor - 1))
+    torch.manual_seed(0)
+    twin = torch_twin.torch_model(jax_model, config)
+    torch.manual_seed(0)  # the same initial values as the twin started from
+    fresh = torchvision.models.resnet18(num_classes=config.num_classes).state_dict()
+    written = {k: v for k, v in twin.net.state_dict().items() if not k.endswith("num_batches_tracked")}
+    assert len(written) == len(jax.tree.leaves(nnx.state(jax_model, nnx.Param, nnx.BatchStat))) == 102
+    assert set(written) <= set(fresh)
+    assert not [k for k, v in written.items() if v.shape == fresh[k].shape and torch.equal(v, fresh[k])]
+    # the running statistics are what an eval-mode forward uses (conv1, the small stem's, too)
+    images = np.random.default_rng(0).random((4, 16, 16, 3), dtype=np.float32)
+    with torch.no_grad():
+        theirs = twin.eval()(torch.from_numpy(images)).numpy()
+    np.testing.assert_allclose(theirs, np.asarray(jax_model(jnp.asarray(images), train=False)), atol=1e-4)

@@ -167,7 +167,10 @@ def _bad_cases(tmp_path, run_dir):
         "another model": (["--run", str(other)], "is not this model: "),
         "missing data": (["--run", str(run_dir), "--data", str(tmp_path / "none.csv")], "not found"),
         "unreadable data": (["--run", str(run_dir), "--data", str(garbage)], "garbage.csv"),
-        "other image size": (["--run", str(run_dir), "--data", str(wide)], "are 6x6x1, but the run's model takes 8x8x1"),
+        "other image size": (
+            ["--run", str(run_dir), "--data", str(wide)],
+            "are 6x6x1, but the run's model takes 8x8x1",
+        ),
         "pipeline": (["--run", str(run_dir), "--layout", "pipeline"], "use --layout dp"),
         "negative batch": (["--run", str(run_dir), "--batch-size", "-2"], "--batch-size must be a positive integer"),
     }
@@ -185,7 +188,9 @@ def test_bad_input_to_predict_and_evaluate_is_one_line_exit_2(finished_run, tmp_
     wrong_kind = tmp_path / ("a_dir" if command is predict else "a_file")  # --out must be a file / a directory
     wrong_kind.mkdir() if command is predict else wrong_kind.write_text("kept")
     with pytest.raises(SystemExit):
-        cli.run_main(command.PROG, lambda: command.main(["--run", str(run_dir), "--out", str(wrong_kind), "--overwrite"]))
+        cli.run_main(
+            command.PROG, lambda: command.main(["--run", str(run_dir), "--out", str(wrong_kind), "--overwrite"])
+        )
     assert f"--out {wrong_kind} is a" in capsys.readouterr().err
 
 
@@ -244,7 +249,9 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
     reference = _train_process(*flags, "--run-name", "ref")
     out, err = reference.communicate(timeout=300)
     assert reference.returncode == 0, err
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch ")] == [f"{e}/5" for e in range(1, 6)]
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch ")] == [
+        f"{e}/5" for e in range(1, 6)
+    ]
     run = _train_process(*flags, "--run-name", "run")
     seen = []
     for line in run.stdout:  # stdout is a pipe: one line per epoch, not a progress bar
@@ -268,7 +275,10 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
     ref, done = (json.loads((tmp_path / n / f"{n}.json").read_text()) for n in ("ref", "run"))
     assert done["loss_history"] == ref["loss_history"] and done["test_accuracy"] == ref["test_accuracy"]
     pd.testing.assert_frame_equal(
-        *(pd.read_csv(tmp_path / n / f"{n}.csv")[["epoch", "step", "train_loss", "test_accuracy"]] for n in ("ref", "run"))
+        *(
+            pd.read_csv(tmp_path / n / f"{n}.csv")[["epoch", "step", "train_loss", "test_accuracy"]]
+            for n in ("ref", "run")
+        )
     )
     assert (tmp_path / "run" / "model").is_dir() and not (tmp_path / "run" / "checkpoints").exists()
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))  # both parts' event files

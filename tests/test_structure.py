@@ -80,7 +80,10 @@ def test_imports_run_down_the_layers():
 def test_no_import_cycle_and_no_import_hidden_in_a_function():
     graph = _graph()
     hidden = [
-        f"{m} imports {t} in a function" for m, imps in graph.items() for t, lazy in imps if lazy and m != "jaxcnn.cli" and not m.startswith("jaxcnn.commands")
+        f"{m} imports {t} in a function"
+        for m, imps in graph.items()
+        for t, lazy in imps
+        if lazy and m != "jaxcnn.cli" and not m.startswith("jaxcnn.commands")
     ]
     assert not hidden, hidden
     edges = {m: {t for t, _ in imps if t in graph and t != m} for m, imps in graph.items()}

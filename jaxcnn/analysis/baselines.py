@@ -1,6 +1,6 @@
 """What jaxcnn's train step is measured against: the same model and optimizer as a plain
 `jax.jit` step, as a user would write it, and the machine's peak FLOP/s in the step's dtype
-(`jaxcnn bench`)."""
+(`jaxcnn bench`); and the batch that fills a device (`jaxcnn bench --batch fill`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,26 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxcnn.analysis.measure import timing_program, warm_stepper
+from jaxcnn.analysis.cost import program_cost
+from jaxcnn.analysis.measure import TIMING_OPTIM, timing_program, warm_stepper
+from jaxcnn.autobatch import BatchSearch, largest_batch
+from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig
+from jaxcnn.errors import UserError
 from jaxcnn.models import build_model, cross_entropy
+from jaxcnn.sharding import build_mesh, get_layout
+from jaxcnn.sharding.partition import quiet_fallbacks
+
+# `--batch fill`: the share of a device's memory one step may plan for (the other variants'
+# states and the allocator's slack live in the rest), the batch's granularity and its cap.
+FILL_FRACTION, FILL_MULTIPLE, FILL_LIMIT = 0.7, 32, 4096
 
 
-def peak_flops(dtype: str, n: int = 2048, repeats: int = 5) -> float:
-    """Best FLOP/s of an n x n x n matmul on the first device (the same dtype as the step)."""
+def peak_flops(dtype: str, n: int | None = None, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n x n matmul on the first device (the same dtype as the step);
+    n defaults to 2048 on a CPU, 8192 on an accelerator (where a 2048^3 matmul takes tens of
+    microseconds and the dispatch would count as much as the arithmetic)."""
+    n = n or (2048 if jax.devices()[0].platform == "cpu" else 8192)
     a = jnp.ones((n, n), dtype)
     matmul = jax.jit(lambda x: x @ x)
     jax.block_until_ready(matmul(a))
@@ -78,3 +91,31 @@ def plain_jit_stepper(config: ModelConfig, image_shape, images, labels, options:
 def jaxcnn_stepper(config, layout: str, device, image_shape, batch, images, labels):
     program = timing_program(config, image_shape, batch, layout, devices=[device])
     return warm_stepper(program, images, labels), program.compile_seconds, flops_of(program.train_step)
+
+
+def device_memory_bytes(device) -> int | None:
+    """The memory the device's allocator may hand out (None where it reports none, e.g. CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+def fill_batch(
+    config: ModelConfig, image_shape, device, budget_bytes: float, multiple: int = FILL_MULTIPLE,
+    limit: int = FILL_LIMIT,
+) -> BatchSearch:  # fmt: skip
+    """The batch that fills `device`: the largest multiple of `multiple` up to `limit` whose
+    single-device train step (compiled, never run) needs at most `budget_bytes` by XLA's
+    memory analysis -- jaxcnn.autobatch's search, about 2 log2(limit / multiple) compiles."""
+    mesh, layout = build_mesh({"data": 1}, [device]), get_layout("single")
+
+    def peak(batch: int) -> int:
+        with quiet_fallbacks():
+            program = build_program(
+                config, TIMING_OPTIM, layout, mesh, image_shape, batch, 1000, with_eval=False, with_init=False
+            )
+        return program_cost(program).peak_bytes
+
+    try:
+        return largest_batch(peak, budget_bytes, multiple, limit)
+    except UserError as err:  # autobatch words it for `train --auto-batch`
+        raise UserError(str(err).replace("--auto-batch", "--batch fill")) from None

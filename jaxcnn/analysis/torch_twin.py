@@ -1,12 +1,13 @@
-"""The jaxcnn CNN's twin in PyTorch, for comparing backends (experiments/compare_backends.py).
+"""jaxcnn's models in PyTorch, for comparing backends (experiments/compare_backends.py): the
+default CNN written out, the ResNets as torchvision builds them.
 
-    twin = torch_model(jax_model, config)            # the same weights, NCHW inside
+    twin = torch_model(jax_model, config)            # the same weights, NCHW inside, NHWC in
     check_agreement(jax_model, twin, images, labels) # the same logits and loss, or UserError
-    workers = TorchWorkers(image_shape, images, labels, world=2)   # DDP over 2 processes
+    workers = TorchWorkers(config, image_shape, images, labels, world=2)   # DDP over 2 processes
     seconds = workers(10)                            # 10 warm steps, rank 0's seconds
 
-PyTorch is optional: it is imported inside the functions that need it, so importing this
-module works without it.
+PyTorch (and torchvision, for the ResNets) is optional: it is imported inside the functions
+that need it, so importing this module works without it.
 """
 
 from __future__ import annotations
@@ -21,13 +22,59 @@ import jax
 import numpy as np
 
 from jaxcnn import host_memory
-from jaxcnn.config import ModelConfig
+from jaxcnn.config import RESNET_WIDTHS, ModelConfig
 from jaxcnn.errors import UserError
 from jaxcnn.models import build_model, cross_entropy
 
+TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50")  # the ones torchvision.models builds
+
 
 def torch_model(jax_model, config: ModelConfig):
-    """The jaxcnn CNN in torch, holding the jax model's weights (NCHW inside, NHWC in)."""
+    """`config`'s model in torch, holding `jax_model`'s weights: the default CNN, or a
+    torchvision ResNet (its stem as the jax model's: `config.resnet_stem`). The forward
+    takes NHWC images, as jaxcnn does, and runs NCHW contiguous, as torch users run it."""
+    if config.norm != "batch" or config.dropout:
+        raise UserError("the torch twin is written for batch norm without dropout")
+    return _torch_resnet(jax_model, config) if config.is_resnet else _torch_cnn(jax_model)
+
+
+def _to_nchw(x_nhwc):
+    # .contiguous(): a bare permute of NHWC is channels_last in memory, which torch's convs
+    # keep through the network; a torch user's batches are NCHW contiguous
+    return x_nhwc.permute(0, 3, 1, 2).contiguous()
+
+
+def _assign(tensor, value) -> None:
+    """Overwrite a torch parameter or buffer in place with a jax value, shapes checked."""
+    import torch
+
+    value = np.asarray(value)
+    if tuple(tensor.shape) != value.shape:
+        raise ValueError(f"torch twin: shape {tuple(tensor.shape)} for a jax value of shape {value.shape}")
+    with torch.no_grad():
+        tensor.copy_(torch.from_numpy(value.copy()))
+
+
+def _copy_layer(theirs, ours) -> None:
+    """One torch layer (Conv2d, BatchNorm2d, Linear) := the jax layer's weights."""
+    from torch import nn
+
+    if isinstance(theirs, nn.Conv2d):
+        _assign(theirs.weight, np.asarray(ours.kernel.get_value()).transpose(3, 2, 0, 1))  # HWIO -> OIHW
+    elif isinstance(theirs, nn.BatchNorm2d):
+        theirs.eps, theirs.momentum = ours.epsilon, 1 - ours.momentum  # flax keeps 0.9 of the old statistics
+        for tensor, variable in [(theirs.weight, ours.scale), (theirs.bias, ours.bias),
+                                 (theirs.running_mean, ours.mean), (theirs.running_var, ours.var)]:  # fmt: skip
+            _assign(tensor, variable.get_value())
+    elif isinstance(theirs, nn.Linear):
+        _assign(theirs.weight, np.asarray(ours.kernel.get_value()).T)  # (in, out) -> (out, in)
+        _assign(theirs.bias, ours.bias.get_value())
+    else:
+        raise TypeError(f"torch twin: no weights to copy into {type(theirs).__name__}")
+
+
+def _torch_cnn(jax_model):
+    """The default CNN: conv -> batch norm -> ReLU -> 2x2 max-pool blocks, then dense layers."""
     import torch
     from torch import nn
 
@@ -36,33 +83,67 @@ def torch_model(jax_model, config: ModelConfig):
             super().__init__()
             blocks = []
             for block in jax_model.blocks:
-                kernel = np.asarray(block.conv.kernel.get_value())  # (kh, kw, cin, cout)
-                conv = nn.Conv2d(kernel.shape[2], kernel.shape[3], 3, padding=1, bias=False)
-                conv.weight.data.copy_(torch.from_numpy(kernel.transpose(3, 2, 0, 1).copy()))
-                norm = nn.BatchNorm2d(kernel.shape[3], eps=block.norm.epsilon, momentum=1 - block.norm.momentum)
-                norm.weight.data.copy_(torch.from_numpy(np.asarray(block.norm.scale.get_value()).copy()))
-                norm.bias.data.copy_(torch.from_numpy(np.asarray(block.norm.bias.get_value()).copy()))
+                _, _, cin, cout = block.conv.kernel.get_value().shape
+                conv, norm = nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout)
+                _copy_layer(conv, block.conv)
+                _copy_layer(norm, block.norm)
                 # MaxPool ceil_mode: an odd side keeps its last row, as SAME pooling does
                 blocks += [conv, norm, nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True)]
             self.blocks = nn.Sequential(*blocks)
             self.dense = nn.ModuleList()
             for layer in jax_model.dense:
-                kernel = np.asarray(layer.kernel.get_value())
-                linear = nn.Linear(*kernel.shape)
-                linear.weight.data.copy_(torch.from_numpy(kernel.T.copy()))
-                linear.bias.data.copy_(torch.from_numpy(np.asarray(layer.bias.get_value()).copy()))
+                linear = nn.Linear(*layer.kernel.get_value().shape)
+                _copy_layer(linear, layer)
                 self.dense.append(linear)
 
         def forward(self, x_nhwc):
-            x = self.blocks(x_nhwc.permute(0, 3, 1, 2))
+            x = self.blocks(_to_nchw(x_nhwc))
             x = x.permute(0, 2, 3, 1).flatten(1)  # flatten in jax's (H, W, C) order
             for layer in self.dense[:-1]:
                 x = torch.relu(layer(x))
             return self.dense[-1](x)
 
-    if config.norm != "batch" or config.dropout:
-        raise UserError("the torch twin is written for the default model (batch norm, no dropout)")
     return TorchCNN()
+
+
+def _torch_resnet(jax_model, config: ModelConfig):
+    """torchvision's ResNet-18/34/50 with the jax model's weights. The small stem (a 3x3
+    stride-1 conv, no pool) replaces torchvision's conv1 and maxpool, as CIFAR code does."""
+    import torchvision
+    from torch import nn
+
+    if config.name not in TORCHVISION_RESNETS or config.conv_features != RESNET_WIDTHS:
+        raise UserError(f"the torch twin builds torchvision's {', '.join(TORCHVISION_RESNETS)} at their own widths")
+    net = getattr(torchvision.models, config.name)(num_classes=config.num_classes)
+    stem = jax_model.stem
+    _, _, channels, width = stem.conv.kernel.get_value().shape
+    if not stem.pool:  # the small stem
+        net.conv1, net.maxpool = nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.Identity()
+    elif channels != 3:  # torchvision's stem takes RGB
+        net.conv1 = nn.Conv2d(channels, width, 7, stride=2, padding=3, bias=False)
+    pairs = [(net.conv1, stem.conv), (net.bn1, stem.norm)]
+    torch_blocks = [block for stage in (net.layer1, net.layer2, net.layer3, net.layer4) for block in stage]
+    for theirs, ours in zip(torch_blocks, jax_model.blocks, strict=True):
+        for i in range(1, ours.depth + 1):
+            pairs += [(getattr(theirs, f"conv{i}"), getattr(ours, f"conv{i}")),
+                      (getattr(theirs, f"bn{i}"), getattr(ours, f"norm{i}"))]  # fmt: skip
+        if (theirs.downsample is None) != (ours.shortcut is None):
+            raise ValueError("torch twin: torchvision's projection shortcuts are not where jaxcnn's are")
+        if ours.shortcut is not None:
+            pairs += [(theirs.downsample[0], ours.shortcut.conv), (theirs.downsample[1], ours.shortcut.norm)]
+    pairs.append((net.fc, jax_model.head.fc))
+    for theirs, ours in pairs:
+        _copy_layer(theirs, ours)
+
+    class NHWCInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x_nhwc):
+            return self.net(_to_nchw(x_nhwc))
+
+    return NHWCInput()
 
 
 def check_agreement(jax_model, twin, images: np.ndarray, labels: np.ndarray) -> dict:
@@ -111,9 +192,9 @@ def torch_step_seconds(model, images, labels, steps: int, optimizer=None) -> lis
     return seconds
 
 
-def _torch_worker(rank, world, port, image_shape, images, labels, commands, replies):
-    """One torch process: builds the twin from the same seed, then times steps on request.
-    A fresh (spawned) interpreter with glibc's default malloc, as torch users run it,
+def _torch_worker(rank, world, port, config, image_shape, images, labels, commands, replies):
+    """One torch process: builds `config`'s twin from the jax model of the same seed, then
+    times steps on request. A fresh (spawned) interpreter with glibc's default malloc, as torch users run it,
     unless the parent asked for jaxcnn's settings (JAXCNN_KEEP_HOST_MEMORY)."""
     import torch
     import torch.distributed as dist
@@ -121,7 +202,6 @@ def _torch_worker(rank, world, port, image_shape, images, labels, commands, repl
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     # DDP notes that the 1-input-channel kernel's gradient has other strides than its bucket: harmless
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    config = ModelConfig()
     model = torch_model(build_model(config, image_shape, 0), config)
     if world > 1:
         os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
@@ -139,13 +219,16 @@ def _torch_worker(rank, world, port, image_shape, images, labels, commands, repl
 
 
 class TorchWorkers:
-    """`world` spawned torch processes (world > 1: DistributedDataParallel over gloo), kept
-    alive so that their timed rounds interleave with jaxcnn's: both see the same machine.
-    Between rounds they are stopped (SIGSTOP): idle OpenMP and gloo threads spin, and would
-    otherwise take cores from whoever is timed. `steps(n)` (or calling the workers) times
-    n warm steps on every process and returns rank 0's seconds."""
+    """`world` spawned torch processes, each with `config`'s twin (world > 1:
+    DistributedDataParallel over gloo), kept alive so that their timed rounds interleave
+    with jaxcnn's: both see the same machine. Between rounds they are stopped (SIGSTOP):
+    idle OpenMP and gloo threads spin, and would otherwise take cores from whoever is timed.
+    `steps(n)` (or calling the workers) times n warm steps on every process and returns
+    rank 0's seconds."""
 
-    def __init__(self, image_shape, images, labels, world: int = 1, keep_host_memory: bool = False):
+    def __init__(
+        self, config: ModelConfig, image_shape, images, labels, world: int = 1, keep_host_memory: bool = False
+    ):
         import socket
 
         import torch.multiprocessing as mp
@@ -162,7 +245,7 @@ class TorchWorkers:
             self.procs = [
                 ctx.Process(
                     target=_torch_worker,
-                    args=(rank, world, port, image_shape, images, labels, self.commands[rank], self.replies),
+                    args=(rank, world, port, config, image_shape, images, labels, self.commands[rank], self.replies),
                 )
                 for rank in range(world)
             ]

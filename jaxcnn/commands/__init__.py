@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0 if argv else 2)
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"jaxcnn: error: unknown command {name!r}; use one of {', '.join(COMMANDS)} (see --help)", file=sys.stderr)
+        print(
+            f"jaxcnn: error: unknown command {name!r}; use one of {', '.join(COMMANDS)} (see --help)", file=sys.stderr
+        )
         sys.exit(2)
     command = importlib.import_module(f"jaxcnn.commands.{name}")
     cli.run_main(command.PROG, lambda: command.main(rest))

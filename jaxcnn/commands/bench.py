@@ -1,44 +1,101 @@
 """Benchmark one train step: median time over warm steps, images/s, compile time, FLOPs and MFU.
 
-jaxcnn bench                                 # default config and 224x224x3, every variant
+jaxcnn bench                                 # the default CNN at 8x8, 28 and 224; resnet18 at 32
 jaxcnn bench --configs 224 --dtype bfloat16 --steps 5
+jaxcnn bench --configs resnet50-224 --batch 32
+jaxcnn bench --configs 224,resnet50-224 --batch fill     # on a GPU/TPU: the batch that fills it
 
-For each config (`default`: the default model on 8x8x1 digits-shaped images, batch 64;
-`224`: 224x224x3, batch 8) three variants of the same training step on one device:
-`jaxcnn-single` (the `single` layout), `jaxcnn-dp1` (the `dp` layout on data=1: what the
-sharding machinery costs) and `plain-jit` (a plain Flax NNX + optax step under `jax.jit`,
-no shardings, as a user would write it; on CPU also `plain-jit-cpu-options`, the same step
+Configs (model, image shape, batch; warm steps and rounds unless --steps/--rounds):
+  default        the default CNN, 8x8x1 (the digits' shape), batch 64      40 steps, 10 rounds
+  28             the default CNN, 28x28x1, batch 128                       40 steps, 10 rounds
+  224            the default CNN, 224x224x3, batch 8                       40 steps, 10 rounds
+  resnet18-32    resnet18 (3x3 stem), 32x32x3, batch 128                   8 steps, 2 rounds
+  resnet50-224   resnet50 (ImageNet stem), 224x224x3, batch 8 (opt-in)     6 steps, 2 rounds
+The ResNets take fewer steps: a resnet18-32 step is 377 GFLOP, 2-4 s on a 2-core CPU.
+
+For each config three variants of the same training step on one device: `jaxcnn-single`
+(the `single` layout), `jaxcnn-dp1` (the `dp` layout on data=1: what the sharding
+machinery costs) and `plain-jit` (a plain Flax NNX + optax step under `jax.jit`, no
+shardings, as a user would write it; on CPU also `plain-jit-cpu-options`, the same step
 compiled with jaxcnn's XLA:CPU options, the like-for-like baseline). Timed steps are
-split into --rounds rounds that alternate between variants. FLOPs per step come from
-XLA's `cost_analysis`; MFU divides achieved FLOP/s by a peak measured in the same run
-(the best of repeated large matmuls in the same dtype), so it is honest about this machine.
+split into rounds that alternate between variants. FLOPs per step come from XLA's
+`cost_analysis`; MFU divides achieved FLOP/s by a peak measured in the same run (the best
+of repeated large matmuls in the same dtype), so it is honest about this machine.
+
+--batch N replaces every chosen config's batch. --batch fill searches compiled steps for
+the largest batch (a multiple of 32, at most 4096) whose memory fits --fill-memory, by
+default 70% of what the device reports (jaxcnn.autobatch; about 2 log2(4096/32) compiles
+per config, before any timing); a CPU reports no memory, so there give --fill-memory.
 (`python experiments/bench.py` is the same command.)
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
+from typing import NamedTuple
 
 from jaxcnn import cli
-from jaxcnn.config import DTYPES, ModelConfig
+from jaxcnn.config import DEFAULT_MODEL, DTYPES, ModelConfig, parse_bytes
 from jaxcnn.errors import UserError
 
 PROG = "jaxcnn bench"
-CONFIGS = {"default": "8", "224": "224"}  # -> jaxcnn.analysis.measure.SIZES: (image shape, batch)
+
+
+class BenchConfig(NamedTuple):
+    model: str
+    image_shape: tuple[int, int, int]
+    batch: int
+    steps: int  # warm steps timed per variant, unless --steps
+    rounds: int  # the interleaved rounds they are split into, unless --rounds
+
+
+CONFIGS = {
+    "default": BenchConfig(DEFAULT_MODEL, (8, 8, 1), 64, 40, 10),
+    "28": BenchConfig(DEFAULT_MODEL, (28, 28, 1), 128, 40, 10),
+    "224": BenchConfig(DEFAULT_MODEL, (224, 224, 3), 8, 40, 10),
+    "resnet18-32": BenchConfig("resnet18", (32, 32, 3), 128, 8, 2),
+    "resnet50-224": BenchConfig("resnet50", (224, 224, 3), 8, 6, 2),
+}
+DEFAULT_CONFIGS = "default,28,224,resnet18-32"
 COLUMNS = [
-    "config", "variant", "image_shape", "global_batch_size", "dtype", "median_step_seconds", "images_per_second",
-    "compile_seconds", "flops_per_step", "achieved_flops_per_second", "peak_flops_per_second", "mfu", "steps",
-    "platform", "device_kind",
+    "config", "model", "variant", "image_shape", "global_batch_size", "dtype", "median_step_seconds",
+    "images_per_second", "compile_seconds", "flops_per_step", "achieved_flops_per_second", "peak_flops_per_second",
+    "mfu", "steps", "platform", "device_kind",
 ]  # fmt: skip
+
+
+def batch_flag(text: str) -> int | str:
+    """--batch: a positive integer, or `fill`."""
+    if text.strip().lower() == "fill":
+        return "fill"
+    try:
+        batch = int(text)
+    except ValueError:
+        batch = 0
+    if batch < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive integer nor 'fill'")
+    return batch
 
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    parser.add_argument("--configs", default="default,224", help=f"some of {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--configs", default=DEFAULT_CONFIGS, help=f"some of {', '.join(CONFIGS)} (default: %(default)s)"
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--steps", type=int, default=40, help="warm steps timed per variant (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds the steps are split into")
-    parser.add_argument("--batch-224", type=int, help="batch of the 224 config (default: measure.SIZES', 8)")
+    parser.add_argument("--steps", type=int, help="warm steps timed per variant (default: the config's)")
+    parser.add_argument(
+        "--rounds", type=int, help="interleaved rounds the steps are split into (default: the config's)"
+    )
+    parser.add_argument(
+        "--batch", type=batch_flag, help="every config's batch: N, or fill (the largest that fits the device); "
+        "default: the config's"
+    )  # fmt: skip
+    parser.add_argument(
+        "--fill-memory", metavar="BYTES", help="with --batch fill: memory a step may use, e.g. 64GiB "
+        "(default: 70%% of the device's)"
+    )  # fmt: skip
     cli.add_output_flags(parser, out="runs/bench.csv")
     return parser.parse_args(argv)
 
@@ -48,43 +105,67 @@ def main(argv=None) -> list[dict]:
     import jax  # after the flags: --help and bad flags answer at once
 
     from jaxcnn import results
-    from jaxcnn.analysis.baselines import jaxcnn_stepper, peak_flops, plain_jit_stepper
-    from jaxcnn.analysis.measure import SIZES, interleaved, random_batch
+    from jaxcnn.analysis.baselines import (
+        FILL_FRACTION,
+        device_memory_bytes,
+        fill_batch,
+        jaxcnn_stepper,
+        peak_flops,
+        plain_jit_stepper,
+    )
+    from jaxcnn.analysis.measure import interleaved, random_batch
     from jaxcnn.compiling import CPU_STEP_OPTIONS
     from jaxcnn.sharding import simulate_cpu_devices
 
     names = cli.some_of(args.configs, CONFIGS, "--configs")
-    if args.batch_224 is None:
-        args.batch_224 = SIZES["224"][1]
-    if min(args.steps, args.rounds, args.batch_224) < 1:
-        raise UserError("--steps, --rounds and --batch-224 must be positive integers")
+    width = max(map(len, names))
+    if any(n is not None and n < 1 for n in (args.steps, args.rounds)):
+        raise UserError("--steps and --rounds must be positive integers")
+    if args.fill_memory and args.batch != "fill":
+        raise UserError("--fill-memory is for --batch fill; drop it or add --batch fill")
+    fill_budget = parse_bytes(args.fill_memory) if args.fill_memory else None
     (out,) = cli.writable_outputs(args.out)
     simulate_cpu_devices(1, at_least=True)
     device = jax.devices()[0]
+    if args.batch == "fill" and fill_budget is None:
+        limit = device_memory_bytes(device)
+        if limit is None:
+            raise UserError(f"--batch fill: the {device.platform} device reports no memory; give --fill-memory BYTES")
+        fill_budget = FILL_FRACTION * limit
     peak = peak_flops(args.dtype)
     print(f"peak {peak / 1e9:.1f} GFLOP/s ({args.dtype} matmul on {device.device_kind})")
     rows = []
     for name in names:
-        image_shape, batch = SIZES[CONFIGS[name]]
-        batch = args.batch_224 if name == "224" else batch
-        config = ModelConfig(dtype=args.dtype)
-        images, labels = random_batch(image_shape, batch, config.num_classes)
+        bench = CONFIGS[name]
+        config = ModelConfig(name=bench.model, dtype=args.dtype)
+        batch = args.batch or bench.batch
+        if batch == "fill":
+            search = fill_batch(config, bench.image_shape, device, fill_budget)
+            batch = search.batch_size
+            print(f"{name:<{width}} --batch fill: {batch} ({search.peak_bytes / 2**20:,.0f} of "
+                  f"{fill_budget / 2**20:,.0f} MiB a step; {len(search.probes)} compiles)")  # fmt: skip
+        steps = args.steps or bench.steps
+        rounds = min(args.rounds or bench.rounds, steps)
+        images, labels = random_batch(bench.image_shape, batch, config.num_classes)
         variants = {
-            "jaxcnn-single": jaxcnn_stepper(config, "single", device, image_shape, batch, images, labels),
-            "jaxcnn-dp1": jaxcnn_stepper(config, "dp", device, image_shape, batch, images, labels),
-            "plain-jit": plain_jit_stepper(config, image_shape, images, labels),
+            "jaxcnn-single": jaxcnn_stepper(config, "single", device, bench.image_shape, batch, images, labels),
+            "jaxcnn-dp1": jaxcnn_stepper(config, "dp", device, bench.image_shape, batch, images, labels),
+            "plain-jit": plain_jit_stepper(config, bench.image_shape, images, labels),
         }
         if device.platform == "cpu":  # the same plain step with jaxcnn's XLA:CPU options: a like-for-like baseline
-            variants["plain-jit-cpu-options"] = plain_jit_stepper(config, image_shape, images, labels, CPU_STEP_OPTIONS)
-        timed = interleaved({variant: steps for variant, (steps, _, _) in variants.items()}, args.steps, args.rounds)
+            variants["plain-jit-cpu-options"] = plain_jit_stepper(
+                config, bench.image_shape, images, labels, CPU_STEP_OPTIONS
+            )
+        timed = interleaved({variant: stepper for variant, (stepper, _, _) in variants.items()}, steps, rounds)
         for variant, (_, compile_seconds, flops) in variants.items():
             seconds = timed[variant]
             median = statistics.median(seconds)
             rows.append(
                 {
                     "config": name,
+                    "model": bench.model,
                     "variant": variant,
-                    "image_shape": "x".join(map(str, image_shape)),
+                    "image_shape": "x".join(map(str, bench.image_shape)),
                     "global_batch_size": batch,
                     "dtype": args.dtype,
                     "median_step_seconds": median,
@@ -100,11 +181,11 @@ def main(argv=None) -> list[dict]:
                 }
             )
             r = rows[-1]
-            print(f"{name:<8} {variant:<22} {r['images_per_second']:10,.1f} images/s  step {median * 1e3:8.2f} ms  "
+            print(f"{name:<{width}} {variant:<22} {r['images_per_second']:10,.1f} images/s  step {median * 1e3:8.2f} ms  "
                   f"compile {compile_seconds:5.2f} s  {flops / 1e9:8.3f} GFLOP  MFU {r['mfu']:6.1%}")  # fmt: skip
         speed = {r["variant"]: r["images_per_second"] for r in rows if r["config"] == name}
         baseline = "plain-jit-cpu-options" if "plain-jit-cpu-options" in speed else "plain-jit"
-        print(f"{name:<8} sharding machinery: dp on data=1 at {speed['jaxcnn-dp1'] / speed[baseline] - 1:+.1%} "
+        print(f"{name:<{width}} sharding machinery: dp on data=1 at {speed['jaxcnn-dp1'] / speed[baseline] - 1:+.1%} "
               f"of {baseline}")  # fmt: skip
     results.write_csv(out, rows, COLUMNS)
     print("wrote", out)
