@@ -42,6 +42,8 @@ from __future__ import annotations
 import statistics
 from typing import NamedTuple
 
+import jax
+
 from jaxcnn import cli, results
 from jaxcnn.analysis.baselines import flops_of, peak_flops
 from jaxcnn.analysis.measure import interleaved, random_batch, timing_program, warm_stepper
@@ -107,6 +109,8 @@ def main(argv=None) -> list[dict]:
         raise UserError("--steps and --rounds must be positive integers")
     (out,) = cli.writable_outputs(args.out)
     simulate_cpu_devices(2, at_least=True)
+    if jax.devices()[0].platform != "cpu":  # torch runs on the CPU: the same device on both sides, or no comparison
+        raise UserError("compare_backends compares on the CPU; run it with JAX_PLATFORMS=cpu")
     peak = peak_flops("float32")  # once: every row's MFU is against the same peak
     print(f"peak {peak / 1e9:.1f} GFLOP/s (float32 matmul)")
     rows = []

@@ -3,6 +3,7 @@ with the compiled HLO, and the host page faults per step.
 
 python experiments/profile_step.py                   # default model, 28x28x1, batch 128
 python experiments/profile_step.py --size 224 --top 15
+python experiments/profile_step.py --model resnet50 --size 224 --steps 2   # runs/profile_resnet50_224.*
 
 Writes runs/profile_<size>.csv (one row per op, slowest first) and profile_<size>.json
 (the step's summary: traced step time, thread time in ops and outside them -- XLA:CPU's
@@ -18,7 +19,7 @@ from pathlib import Path
 from jaxcnn import cli, results
 from jaxcnn.analysis.measure import SIZES, random_batch, timing_program
 from jaxcnn.analysis.profiling import profile_step
-from jaxcnn.config import DTYPES, ModelConfig
+from jaxcnn.config import DEFAULT_MODEL, DTYPES, ModelConfig
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import simulate_cpu_devices
 
@@ -29,6 +30,7 @@ COLUMNS = ["op", "thread_ms_per_step", "share_of_traced", "kind", "shape", "sour
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
     parser.add_argument("--size", default="28", help=f"one of {', '.join(SIZES)} (image side; batch 64/128/8)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the CNN (default) or a ResNet, e.g. resnet50")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--steps", type=int, default=5, help="steps traced (default %(default)s)")
     parser.add_argument("--top", type=int, default=12, help="ops printed (all are written)")
@@ -46,12 +48,12 @@ def main(argv=None) -> tuple[list[dict], dict]:
     out_dir = results.ensure_writable_dir(args.out_dir)
     simulate_cpu_devices(1, at_least=True)
     image_shape, batch = SIZES[args.size]
-    config = ModelConfig(dtype=args.dtype)
+    config = ModelConfig(name=args.model, dtype=args.dtype)
     program = timing_program(config, image_shape, batch)
     images, labels = random_batch(image_shape, batch, config.num_classes)
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxcnn-trace-"))
     rows, summary = profile_step(program, program.init(), images, labels, args.steps, trace_dir)
-    summary.update(size=args.size, batch=batch, dtype=args.dtype, steps=args.steps)
+    summary.update(model=args.model, size=args.size, batch=batch, dtype=args.dtype, steps=args.steps)
 
     busy = summary["worker_threads"] * summary["step_seconds_traced"]
     print(
@@ -66,8 +68,9 @@ def main(argv=None) -> tuple[list[dict], dict]:
     for row in rows[: args.top]:
         print(f"{row['thread_ms_per_step']:8.2f} ms {row['share_of_traced']:6.1%}  {row['op']:<28} "
               f"{row['kind']:<6} {row['shape']:<26} {row['source'][-50:]}")  # fmt: skip
-    csv = results.write_csv(out_dir / f"profile_{args.size}.csv", rows, COLUMNS)
-    results.write_json(out_dir / f"profile_{args.size}.json", summary)
+    name = f"profile_{args.size}" if args.model == DEFAULT_MODEL else f"profile_{args.model}_{args.size}"
+    csv = results.write_csv(out_dir / f"{name}.csv", rows, COLUMNS)
+    results.write_json(out_dir / f"{name}.json", summary)
     print("wrote", csv, "and the trace under", trace_dir)
     return rows, summary
 

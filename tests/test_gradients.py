@@ -21,6 +21,8 @@ the test says so if none of a few does.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +30,7 @@ import pytest
 from flax import nnx
 
 from jaxcnn.config import ModelConfig
-from jaxcnn.layers import _pool_with_choice, max_pool_2x2
+from jaxcnn.layers import _pool_with_choice, max_pool_2x2, pointwise_conv
 from jaxcnn.models import ConvBlock, ResNet, build_model, cross_entropy
 from jaxcnn.models.parts import normalise
 from jaxcnn.sharding import axes as ax
@@ -250,3 +252,23 @@ def test_whole_model_gradient_matches_float64(name):
     images, labels = images_off_the_kinks(model, shape), jnp.arange(shape[0]) % config.num_classes
     loss = lambda m, x: cross_entropy(m(x, train=True), labels).mean()  # noqa: E731
     assert_matches_float64(loss, model, images, jit_reference=True)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_pointwise_conv_is_the_1x1_convolution_with_the_same_gradients(stride):
+    """The ResNets' 1x1 convs as a matrix product: values and both gradients equal to
+    lax's convolution in float64, at an odd size (9x7 -> 5x4 at stride 2), 128 -> 256 channels."""
+    with jax.enable_x64(True):
+        x, kernel = _random((3, 9, 7, 128), 0, jnp.float64), _random((1, 1, 128, 256), 1, jnp.float64)
+        options = {
+            "window_strides": (stride, stride),
+            "padding": [(0, 0)] * 2,
+            "dimension_numbers": ("NHWC", "HWIO", "NHWC"),
+        }
+        want, want_vjp = jax.vjp(partial(jax.lax.conv_general_dilated, **options), x, kernel)
+        got, got_vjp = jax.vjp(partial(pointwise_conv, **options), x, kernel)
+        assert got.shape == want.shape == (3, -(-9 // stride), -(-7 // stride), 256)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        cotangent = _random(want.shape, 2, jnp.float64)
+        for mine, theirs in zip(got_vjp(cotangent), want_vjp(cotangent), strict=True):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-12, atol=1e-11)

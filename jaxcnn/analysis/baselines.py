@@ -31,7 +31,7 @@ def peak_flops(dtype: str, n: int | None = None, repeats: int = 5) -> float:
     n defaults to 2048 on a CPU, 8192 on an accelerator (where a 2048^3 matmul takes tens of
     microseconds and the dispatch would count as much as the arithmetic)."""
     n = n or (2048 if jax.devices()[0].platform == "cpu" else 8192)
-    a = jnp.ones((n, n), dtype)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)  # not constants: hardware may go faster on those
     matmul = jax.jit(lambda x: x @ x)
     jax.block_until_ready(matmul(a))
     best = min(seconds_of(lambda: matmul(a)) for _ in range(repeats))
@@ -76,12 +76,14 @@ def plain_jit_stepper(config: ModelConfig, image_shape, images, labels, options:
     jax.block_until_ready(loss)
 
     def steps(n: int) -> list[float]:
+        """n timed steps after one untimed one, as jaxcnn's stepper (measure.time_steps) does."""
         seconds = []
-        for _ in range(n):
+        for i in range(n + 1):
             start = time.perf_counter()
             *new_state, loss = compiled(*state, x, y)
             jax.block_until_ready(loss)
-            seconds.append(time.perf_counter() - start)
+            if i:
+                seconds.append(time.perf_counter() - start)
             state[:] = new_state
         return seconds
 

@@ -187,6 +187,6 @@ def main(argv=None) -> list[dict]:
         baseline = "plain-jit-cpu-options" if "plain-jit-cpu-options" in speed else "plain-jit"
         print(f"{name:<{width}} sharding machinery: dp on data=1 at {speed['jaxcnn-dp1'] / speed[baseline] - 1:+.1%} "
               f"of {baseline}")  # fmt: skip
-    results.write_csv(out, rows, COLUMNS)
+        results.write_csv(out, rows, COLUMNS)  # after every config: a run cut short keeps what it measured
     print("wrote", out)
     return rows

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcnn.config import RESNETS, ModelConfig
+from jaxcnn.layers import pointwise_conv
 from jaxcnn.models.parts import LayerShape, named, norm_layer, normalise, run_block
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import constrain
@@ -90,6 +91,7 @@ def _conv(layer: LayerShape, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Conv:
         use_bias=config.norm != "batch",  # batch norm's mean removes a bias (and its gradient)
         kernel_init=CONV_INIT,
         dtype=jnp.dtype(config.dtype),
+        conv_general_dilated=pointwise_conv if layer.kernel == 1 else jax.lax.conv_general_dilated,
         rngs=rngs,
     )
 
