@@ -10,8 +10,9 @@ gets its FLOPs per step from XLA's cost_analysis of the compiled step and the me
 few warm steps: the points of a sweep take turns, one step each per round (so a drift in
 the machine's speed hits each alike), and a point stops once its timed steps add up to
 --seconds-per-point (at least one). Achieved FLOP/s and MFU are against a matmul peak
-measured in the same run. A ResNet's stem follows --stem: `auto` switches to the ImageNet
-stem (7x7 stride 2 + max-pool, a quarter of the work) from 128 pixels, which the FLOPs show.
+measured in the same run (at its start and its end, the better of the two). A ResNet's stem
+follows --stem: `auto` switches to the ImageNet stem (7x7 stride 2 + max-pool: a quarter of
+the pixels each side, about 1/16 of the work after it) from 128 pixels, which the FLOPs show.
 
 Per model and sweep a least-squares fit of step_seconds = t0 + flops / rate (residuals
 relative to the step, so the small points, where the overhead shows, weigh as much as the
@@ -225,6 +226,11 @@ def main(argv=None) -> list[dict]:
             if chosen:
                 rows += measure_sweep(config, sweep, chosen, args, device, peak, counter)
                 lines.append(summary(rows[-len(chosen) :]))
+    peak = max(peak, peak_flops(args.dtype))  # again at the end: the run is long and the host's speed drifts
+    for row in rows:
+        row["peak_flops_per_second"] = peak
+        row["mfu"] = row["flops_per_step"] / row["median_step_seconds"] / peak
+    print(f"peak {peak / 1e9:.1f} GFLOP/s, the better of the start's and the end's", flush=True)
     results.write_csv(out, rows, COLUMNS)
     written = [out]
     if plot:

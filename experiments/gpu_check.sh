@@ -22,15 +22,14 @@
 # Results: results/gpu_h200_*.csv, .png and .log, and gpu_h200_summary.txt (each step first deletes
 # its own old files); with $OUT set, a tarball of them and the summary are copied there too.
 #
-# The GPU machine has no network. Its python3 is itself a virtual environment holding jax (with the
-# CUDA plugin), flax, optax, orbax, pandas, matplotlib; a venv made from it with
-# --system-site-packages would not see them, so the venv here gets a .pth file naming that
-# interpreter's site-packages. It lacks grain (jaxcnn.data imports it), array-record and
+# The GPU machine has no network. Its python3 holds jax (with the CUDA plugin), flax, optax,
+# orbax, pandas, matplotlib. It lacks grain (jaxcnn.data imports it), array-record and
 # portpicker: `fetch-wheels` downloads them here into .whl/ (git-ignored), to be carried along
-# (device tool: carry [".whl"]); this script installs .whl/*.whl when present. Where no jax is
-# found at all, it falls back to `pip install -e '.[cuda12]'` (needs network).
+# (device tool: carry [".whl"]); this script installs .whl/*.whl with pip --target into
+# GPU_CHECK_SITE and puts that and the checkout on PYTHONPATH. Where no jax is found at all, it
+# falls back to `pip install --target ... '.[cuda12]'` (needs network).
 #
-# Knobs (environment): PYTHON (python3), GPU_CHECK_VENV (/tmp/gpu_check_venv), GPU_CHECK_WHEELS (.whl),
+# Knobs (environment): PYTHON (python3), GPU_CHECK_SITE (/tmp/gpu_check_site), GPU_CHECK_WHEELS (.whl),
 # GPU_CHECK_RESULTS
 # (results; smoke: /tmp/gpu_check_smoke), GPU_CHECK_BUDGET_S (440), GPU_CHECK_CNN_BATCH (fill, or
 # N), GPU_CHECK_RESNET50_BATCH (256), GPU_CHECK_SMOKE (1: CPU, tiny sizes and models, the same steps).
@@ -52,7 +51,7 @@ fi
 
 SMOKE=${GPU_CHECK_SMOKE:-0}
 PY=${PYTHON:-python3}
-VENV=${GPU_CHECK_VENV:-/tmp/gpu_check_venv}
+SITE=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
 BUDGET=${GPU_CHECK_BUDGET_S:-440}
 RESNET50_BATCH=${GPU_CHECK_RESNET50_BATCH:-256}
 CNN_BATCH=${GPU_CHECK_CNN_BATCH:-fill}
@@ -114,21 +113,16 @@ step() {
 }
 
 setup() {  # run in a pipeline (a subshell, where set -e is off): every command checks its own status
-  local vpy=$VENV/bin/python site
-  if [[ ! -x $vpy ]]; then
-    "$PY" -m venv "$VENV" || return 1
-    site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
-    "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' >"$site/_gpu_check_host.pth" || return 1
-  fi
+  # The device README's way: wheels into a --target folder on PYTHONPATH, nothing built, no venv
+  # (its python3.12 may lack ensurepip); the checkout itself is on PYTHONPATH too (see below).
   if compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
-    "$vpy" -m pip install -q --no-index --no-deps --no-compile "$WHEEL_DIR"/*.whl || return 1
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHEEL_DIR"/*.whl || return 1
   fi
-  if "$vpy" -c 'import jax, flax, optax' 2>/dev/null; then
-    "$vpy" -m pip install -q --no-index --no-deps --no-build-isolation -e . || echo "pip install -e . failed"
-  else
-    "$vpy" -m pip install -q -e '.[cuda12]' || return 1
+  if ! PYTHONPATH=$SITE "$PY" -c 'import jax, flax, optax' 2>/dev/null; then
+    "$PY" -m pip install -q --target "$SITE" '.[cuda12]' || return 1  # needs network
   fi
-  "$vpy" -c 'import grain' || {
+  PYTHONPATH=$SITE "$PY" -c 'import grain' || {
     echo "grain is missing: run 'bash experiments/gpu_check.sh fetch-wheels' where pip has network, carry .whl"
     return 1
   }
@@ -168,10 +162,8 @@ if ! setup 2>&1 | tee "$RESULTS/${PREFIX}setup.log"; then
   note "FAILED  setup (see ${PREFIX}setup.log)"
   exit 1
 fi
-VPY=$VENV/bin/python
-if ! "$VPY" -c 'import jaxcnn' 2>/dev/null; then  # the editable install failed: the checkout itself
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+VPY=$PY
+export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the wheels, then jaxcnn from this checkout
 export VPY SMOKE
 export -f env_report
 step env 60 bash -c env_report

@@ -26,10 +26,12 @@ from jaxcnn.sharding.partition import quiet_fallbacks
 FILL_FRACTION, FILL_MULTIPLE, FILL_LIMIT = 0.7, 32, 4096
 
 
-def peak_flops(dtype: str, n: int | None = None, repeats: int = 5) -> float:
+def peak_flops(dtype: str, n: int | None = None, repeats: int = 20) -> float:
     """Best FLOP/s of an n x n x n matmul on the first device (the same dtype as the step);
     n defaults to 2048 on a CPU, 8192 on an accelerator (where a 2048^3 matmul takes tens of
-    microseconds and the dispatch would count as much as the arithmetic)."""
+    microseconds and the dispatch would count as much as the arithmetic). The best of many
+    repeats: on a shared host a few can all land in a slow moment, and a low peak reads as
+    an MFU above 100%."""
     n = n or (2048 if jax.devices()[0].platform == "cpu" else 8192)
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)  # not constants: hardware may go faster on those
     matmul = jax.jit(lambda x: x @ x)
