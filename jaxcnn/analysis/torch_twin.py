@@ -63,6 +63,8 @@ def _copy_layer(theirs, ours) -> None:
         _assign(theirs.weight, np.asarray(ours.kernel.get_value()).transpose(3, 2, 0, 1))  # HWIO -> OIHW
     elif isinstance(theirs, nn.BatchNorm2d):
         theirs.eps, theirs.momentum = ours.epsilon, 1 - ours.momentum  # flax keeps 0.9 of the old statistics
+        # (torch updates running_var with the unbiased batch variance, flax with the biased one: the
+        # running statistics part after the first training step; training steps and their timing do not)
         for tensor, variable in [(theirs.weight, ours.scale), (theirs.bias, ours.bias),
                                  (theirs.running_mean, ours.mean), (theirs.running_var, ours.var)]:  # fmt: skip
             _assign(tensor, variable.get_value())
