@@ -23,8 +23,11 @@ class BatchSearch:
     probes: list[tuple[int, int]] = field(default_factory=list)  # (batch, peak bytes) in the order tried
 
 
-def largest_batch(peak_bytes: Callable[[int], int], budget_bytes: float, multiple: int, limit: int) -> BatchSearch:
-    """Largest multiple of `multiple` up to `limit` with `peak_bytes(batch) <= budget_bytes`."""
+def largest_batch(
+    peak_bytes: Callable[[int], int], budget_bytes: float, multiple: int, limit: int, flag: str = "--auto-batch"
+) -> BatchSearch:
+    """Largest multiple of `multiple` up to `limit` with `peak_bytes(batch) <= budget_bytes`;
+    `flag` is what the errors name (the search answers `train --auto-batch`, `bench --batch fill`)."""
     probes: list[tuple[int, int]] = []
 
     def fits(units: int) -> bool:
@@ -34,10 +37,10 @@ def largest_batch(peak_bytes: Callable[[int], int], budget_bytes: float, multipl
 
     most = limit // multiple
     if most < 1:
-        raise UserError(f"--auto-batch: the smallest batch this mesh allows, {multiple}, exceeds the {limit} images")
+        raise UserError(f"{flag}: the smallest batch this mesh allows, {multiple}, exceeds the {limit} images")
     if not fits(1):
         raise UserError(
-            f"--auto-batch: even a global batch of {multiple} needs {probes[0][1]:,} bytes per device, over the "
+            f"{flag}: even a global batch of {multiple} needs {probes[0][1]:,} bytes per device, over the "
             f"budget of {budget_bytes:,.0f}; give a larger budget, use --remat full, or a layout that splits more"
         )
     good, bad = 1, None  # in units of `multiple`

@@ -24,10 +24,10 @@ import jax
 from jax.experimental import multihost_utils
 
 from jaxcnn import cli, results, runs
-from jaxcnn.analysis.cost import program_cost
+from jaxcnn.analysis.cost import step_peak_bytes
 from jaxcnn.analysis.lint import format_report, lint_program
 from jaxcnn.autobatch import largest_batch
-from jaxcnn.build import build_program, build_programs, check_layout_options
+from jaxcnn.build import build_programs, check_layout_options
 from jaxcnn.checkpoint import Checkpointer, check_checkpoint_flags
 from jaxcnn.config import BUNDLED_TEST, parse_bytes
 from jaxcnn.data import (
@@ -50,7 +50,6 @@ from jaxcnn.plots import curves_plot
 from jaxcnn.saved_model import save_model
 from jaxcnn.sharding import ParallelDims, build_mesh, format_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
 from jaxcnn.sharding.mesh import host_devices_for, simulate_cpu_devices
-from jaxcnn.sharding.partition import quiet_fallbacks
 from jaxcnn.steps import plan_updates
 
 PROG = "jaxcnn train"
@@ -333,14 +332,7 @@ def auto_batch(model_config, optim_config, layout, mesh, image_shape, update_con
     # a batch must split over the data shards and then into the micro-batches
     multiple = plan_updates(update_config, layout, mesh).groups * update_config.grad_accum
 
-    def peak(batch: int) -> int:
-        with quiet_fallbacks():  # placements are the same for every probe
-            program = build_program(
-                model_config, optim_config, layout, mesh, image_shape, batch, 1000,
-                with_eval=False, with_init=False, update=update_config,
-            )  # fmt: skip
-        return program_cost(program).peak_bytes
-
+    peak = step_peak_bytes(model_config, optim_config, layout, mesh, image_shape, update=update_config)
     return largest_batch(peak, budget, multiple, train_size)
 
 

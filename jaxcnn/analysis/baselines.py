@@ -11,15 +11,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxcnn.analysis.cost import program_cost
+from jaxcnn.analysis.cost import step_peak_bytes
 from jaxcnn.analysis.measure import TIMING_OPTIM, timing_program, warm_stepper
 from jaxcnn.autobatch import BatchSearch, largest_batch
-from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig
-from jaxcnn.errors import UserError
 from jaxcnn.models import build_model, cross_entropy
 from jaxcnn.sharding import build_mesh, get_layout
-from jaxcnn.sharding.partition import quiet_fallbacks
 
 # `--batch fill`: the share of a device's memory one step may plan for (the other variants'
 # states and the allocator's slack live in the rest), the batch's granularity and its cap.
@@ -111,15 +108,5 @@ def fill_batch(
     single-device train step (compiled, never run) needs at most `budget_bytes` by XLA's
     memory analysis -- jaxcnn.autobatch's search, about 2 log2(limit / multiple) compiles."""
     mesh, layout = build_mesh({"data": 1}, [device]), get_layout("single")
-
-    def peak(batch: int) -> int:
-        with quiet_fallbacks():
-            program = build_program(
-                config, TIMING_OPTIM, layout, mesh, image_shape, batch, 1000, with_eval=False, with_init=False
-            )
-        return program_cost(program).peak_bytes
-
-    try:
-        return largest_batch(peak, budget_bytes, multiple, limit)
-    except UserError as err:  # autobatch words it for `train --auto-batch`
-        raise UserError(str(err).replace("--auto-batch", "--batch fill")) from None
+    peak = step_peak_bytes(config, TIMING_OPTIM, layout, mesh, image_shape)
+    return largest_batch(peak, budget_bytes, multiple, limit, flag="--batch fill")

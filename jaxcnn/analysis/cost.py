@@ -13,11 +13,13 @@ most FLOPs -- plus the activations and gradients sent between stages (point-to-p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxcnn.analysis.hlo import Collective, collectives
+from jaxcnn.build import build_program
 from jaxcnn.program import CompiledPart, Program
-from jaxcnn.sharding.partition import bytes_per_device
+from jaxcnn.sharding.partition import bytes_per_device, quiet_fallbacks
 
 
 @dataclass(frozen=True)
@@ -134,3 +136,18 @@ def program_cost(program: Program) -> ProgramCost:
         transfer_bytes=max(program.boundary_bytes, default=0),
         num_collectives=count + program.boundary_transfers,
     )
+
+
+def step_peak_bytes(model_config, optim_config, layout, mesh, image_shape, **build_options) -> Callable[[int], int]:
+    """batch -> per-device peak bytes of the train step at that global batch, compiled and
+    never run: what the batch searches (jaxcnn.autobatch) probe."""
+
+    def peak(batch: int) -> int:
+        with quiet_fallbacks():  # placements are the same for every probe
+            program = build_program(
+                model_config, optim_config, layout, mesh, image_shape, batch, 1000,
+                with_eval=False, with_init=False, **build_options,
+            )  # fmt: skip
+        return program_cost(program).peak_bytes
+
+    return peak
