@@ -30,11 +30,11 @@ from flax import nnx
 
 from jaxcnn import cli, results
 from jaxcnn.analysis.measure import SIZES as TIMING_SIZES
-from jaxcnn.compiling import compile_with, cpu_step_options
+from jaxcnn.compiling import compile_with
 from jaxcnn.config import ModelConfig
 from jaxcnn.layers import _pool_with_choice, max_pool_2x2
 from jaxcnn.models import layer_shapes
-from jaxcnn.sharding import build_mesh
+from jaxcnn.platform_choices import step_compiler_options
 
 PROG = "pool_cost.py"
 SIZES = {"x".join(map(str, TIMING_SIZES[size][0])): TIMING_SIZES[size] for size in ("28", "224")}
@@ -103,7 +103,7 @@ def measure(size: str, rounds: int, calls: int) -> list[dict]:
         wide_choices = window_choices(*wide[:2])
     narrow_choices = jax.jit(window_choices)(params, x)
     flips = sum(int((np.asarray(a) != np.asarray(b)).sum()) for a, b in zip(narrow_choices, wide_choices, strict=True))
-    options = cpu_step_options(build_mesh({"data": 1}))
+    options = step_compiler_options("cpu")
     compiled, rows = {}, {}
     for name, pool in POOLS.items():
         grad = jax.grad(lambda p, x, g, pool=pool: trunk_loss(pool, p, x, g), argnums=(0, 1))

@@ -22,9 +22,10 @@ import sys
 from jaxcnn import cli, results
 from jaxcnn.analysis.measure import SIZES as ALL_SIZES
 from jaxcnn.analysis.measure import random_batch, time_steps, timing_program
-from jaxcnn.compiling import CPU_STEP_OPTIONS, YNN_FUSION_TYPES
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
+from jaxcnn.platform_choices import CPU_WITHOUT_YNN_CONVS as CPU_STEP_OPTIONS
+from jaxcnn.platform_choices import YNN_FUSION_TYPES
 
 PROG = "speedups.py"
 SIZES = {size: ALL_SIZES[size] for size in ("28", "224")}

@@ -21,11 +21,13 @@ from pathlib import Path
 from jaxcnn.config import (
     BUNDLED_TEST,
     BUNDLED_TRAIN,
+    CONV1X1_KERNELS,
     DEFAULT_MODEL,
     DTYPES,
     IMAGENET_STEM_FROM,
     LAYOUT_NAMES,
     LR_SCALINGS,
+    MAX_POOL_KERNELS,
     NORMS,
     OPTIMIZERS,
     REMAT_NAMES,
@@ -72,6 +74,18 @@ class FlagParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.add_argument(
+            "--compile-cache", metavar="DIR|off",
+            help="keep compiled programs here for later runs, or off (default: $JAXCNN_CACHE, else ~/.cache/jaxcnn)",
+        )  # fmt: skip
+
+    def parse_args(self, args=None, namespace=None):
+        """The flags; every command's compiled programs then go to the --compile-cache."""
+        parsed = super().parse_args(args, namespace)
+        from jaxcnn import compile_cache  # imports JAX: only once the flags are known good
+
+        compile_cache.enable(parsed.compile_cache)
+        return parsed
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -133,6 +147,16 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype", choices=DTYPES, default="float32", help="compute dtype; parameters and optimizer state stay float32"
     )
+    g.add_argument(
+        "--conv1x1", choices=CONV1X1_KERNELS, default="auto",
+        help="ResNets' 1x1 convolutions as a matrix product (dot) or a convolution; auto: the platform's faster "
+        "(jaxcnn.platform_choices); the numbers are the same",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-pool", choices=MAX_POOL_KERNELS, default="auto",
+        help="the CNN's 2x2 max-pool: select (gradient to the winner chosen in the forward pass) or window "
+        "(reduce_window); auto: the platform's faster; the numbers are the same",
+    )  # fmt: skip
 
 
 def add_data_flags(parser: argparse.ArgumentParser) -> None:

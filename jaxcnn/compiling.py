@@ -1,44 +1,43 @@
-"""Compile several lowered programs at once, with the XLA:CPU options that make them fast.
+"""Lower and compile the programs of one run, timing each, with each platform's XLA options.
 
-Tracing and lowering need the Python interpreter; XLA's compilation does not hold it, so
-the programs of one run (train step, eval step, init; a pipeline's per-stage programs)
-compile side by side on the host's cores.
+    compilation = Compilation("gpu")
+    compilation.lower("train", jax.jit(step, ...), state, images, labels)
+    compilation.lower("eval", jax.jit(evaluate, ...), state, images, labels, mask)
+    compiled = compilation.compile(options={"init": ...}, default=...)
+    compilation.timings                  # per program: lowering s, compile s, read from the cache?
+
+On a CPU the programs compile side by side on the host's cores (XLA's compilation does not
+hold the Python interpreter). On an accelerator they compile one after another, in the order
+lowered: XLA:GPU times candidate kernels on the device while it compiles, and two programs
+autotuning at once would share the device and both time wrongly; in turn the eval step finds
+the train step's convolutions already tuned (XLA keeps tuned kernels for the process) and
+compiles in a fraction of the time.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import jax
 
-YNN_FUSION_TYPES = "xla_cpu_experimental_ynn_fusion_type"
-# XLA:CPU's default hands four kinds of work to YNNPACK: dots, dots with fused epilogues,
-# reductions and convolutions. Its convolutions are the slow ones for this model family on
-# x86 (profiled in experiments/profile_step.py; ablation in results/speedups.csv):
-# leaving convolutions to XLA's Eigen kernels makes the default model's train step 1.2x
-# faster at 28x28 (batch 128) and 1.8x at 224x224 (batch 8). The other three stay.
-CPU_STEP_OPTIONS = {
-    YNN_FUSION_TYPES: "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
-}
+from jaxcnn import compile_cache
 
 
-def _on_cpu(mesh) -> bool:
-    return mesh.devices.flat[0].platform == "cpu"
+@dataclass(frozen=True)
+class ProgramTiming:
+    name: str
+    lower_seconds: float | None  # tracing + lowering to StableHLO (Python); None: not timed apart
+    compile_seconds: float  # XLA: compiling, or reading the persistent cache
+    cached: bool | None  # read from the persistent cache; None: no cache in use
 
-
-def cpu_step_options(mesh) -> dict | None:
-    """Compiler options for train/eval steps; a choice the user made in XLA_FLAGS wins."""
-    if not _on_cpu(mesh) or YNN_FUSION_TYPES in os.environ.get("XLA_FLAGS", ""):
-        return None
-    return dict(CPU_STEP_OPTIONS)
-
-
-def cpu_init_options(mesh) -> dict | None:
-    """Init runs once; on CPU, LLVM spends seconds optimising each unrolled threefry
-    initializer, so compile it unoptimised (same values to ~1e-7, 2-3x faster compile)."""
-    return {"xla_backend_optimization_level": 0} if _on_cpu(mesh) else None
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 def compile_with(lowered: jax.stages.Lowered, options: dict | None):
@@ -56,15 +55,71 @@ def compile_with(lowered: jax.stages.Lowered, options: dict | None):
         return lowered.compile({k: v for k, v in options.items() if k not in unknown} or None)
 
 
-def compile_all(
-    lowered: dict[str, jax.stages.Lowered],
-    options: dict[str, dict | None] | None = None,
-    default: dict | None = None,
-) -> dict:
-    """{name: compiled} for {name: lowered}; `options` gives per-program compiler options,
-    `default` those of every program `options` does not name."""
-    options = options or {}
-    workers = max(1, min(len(lowered), os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers) as pool:
-        futures = {name: pool.submit(compile_with, low, options.get(name, default)) for name, low in lowered.items()}
-        return {name: future.result() for name, future in futures.items()}
+class Compilation:
+    """The programs of one build: lowered (timed) one by one, then compiled together."""
+
+    def __init__(self, platform: str):
+        self.platform = platform
+        self.lowered: dict[Any, jax.stages.Lowered] = {}
+        self.lower_seconds: dict[Any, float | None] = {}
+        self.timings: list[ProgramTiming] = []
+
+    def lower(self, key, jitted, *args) -> None:
+        start = time.perf_counter()
+        self.lowered[key] = jitted.lower(*args)
+        self.lower_seconds[key] = time.perf_counter() - start
+
+    def add(self, key, lowered: jax.stages.Lowered) -> None:
+        """A program lowered elsewhere (its lowering not timed apart)."""
+        self.lowered[key], self.lower_seconds[key] = lowered, None
+
+    def compile(self, options: dict | None = None, default: dict | None = None) -> dict:
+        """{key: compiled}; `options` gives per-program compiler options, `default` those of
+        every program `options` does not name."""
+        options = options or {}
+        cached = compile_cache.in_use() is not None
+        if self.platform != "cpu":
+            _announce(self.platform, [_name(k) for k in self.lowered])
+
+        def one(key):
+            with compile_cache.watch() as seen:
+                start = time.perf_counter()
+                compiled = compile_with(self.lowered[key], options.get(key, default))
+                seconds = time.perf_counter() - start
+            hit = seen["hit"] if cached else None
+            return compiled, ProgramTiming(_name(key), self.lower_seconds[key], seconds, hit)
+
+        keys = list(self.lowered)
+        if self.platform == "cpu":
+            workers = max(1, min(len(keys), os.cpu_count() or 1))
+            with ThreadPoolExecutor(workers) as pool:
+                done = list(pool.map(one, keys))
+        else:
+            done = [one(key) for key in keys]
+        self.timings = [timing for _, timing in done]
+        return {key: compiled for key, (compiled, _) in zip(keys, done, strict=True)}
+
+
+def _name(key) -> str:
+    """A program's name in timings: "train", or "stage1/forward" for a pipeline's (stage, kind)."""
+    return f"stage{key[0]}/{key[1]}" if isinstance(key, tuple) else str(key)
+
+
+_announced = False
+
+
+def _announce(platform: str, names: list[str]) -> None:
+    """One line before the first compile of the process on an accelerator, where a compile
+    that misses the cache autotunes every new kernel on the device."""
+    global _announced
+    if _announced or jax.process_index() != 0:
+        return
+    _announced = True
+    where = compile_cache.in_use()
+    later = f"later runs read it from the cache in {where}" if where else "no compile cache (--compile-cache off)"
+    print(
+        f"jaxcnn: compiling {', '.join(names)} for {platform}: XLA tunes each new kernel on the device, which can "
+        f"take minutes the first time; {later}",
+        file=sys.stderr,
+        flush=True,
+    )

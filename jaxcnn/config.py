@@ -45,6 +45,10 @@ NORMS = ("none", "batch", "group")
 REMAT_POLICIES = ("none", "full", "dots", "names")
 REMAT_NAMES = ("conv", "norm", "relu")  # the activations a conv block tags (checkpoint_name)
 DTYPES = ("float32", "bfloat16")
+# Kernels computed two ways with the same numbers, one faster on each platform
+# (jaxcnn.platform_choices; "auto": the platform's choice, made when the program is built).
+CONV1X1_KERNELS = ("auto", "dot", "conv")
+MAX_POOL_KERNELS = ("auto", "select", "window")
 # the named layouts (jaxcnn.sharding.layouts.LAYOUTS, which a test holds to this), for flag
 # parsing that must not import the sharding package (it starts JAX)
 LAYOUT_NAMES = ("single", "dp", "fsdp", "tp", "hybrid", "spatial", "pipeline")
@@ -63,6 +67,8 @@ class ModelConfig:
     remat_names: tuple[str, ...] = ("norm",)  # saved by remat="names"
     dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
     stem: str = "auto"  # ResNets only (STEMS)
+    conv1x1: str = "auto"  # ResNets' 1x1 convs as a matrix product or a convolution (CONV1X1_KERNELS)
+    max_pool: str = "auto"  # the CNN's 2x2 pool: select (jaxcnn.layers) or window (reduce_window)
 
     def __post_init__(self):
         if self.name in RESNETS:
@@ -138,6 +144,12 @@ class ModelConfig:
             raise UserError(f"unknown --remat-names {', '.join(unknown)}; use some of {', '.join(REMAT_NAMES)}")
         if self.dtype not in DTYPES:
             raise UserError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        for flag, value, known in (
+            ("conv1x1", self.conv1x1, CONV1X1_KERNELS),
+            ("max-pool", self.max_pool, MAX_POOL_KERNELS),
+        ):
+            if value not in known:
+                raise UserError(f"unknown --{flag} {value!r}; use one of {', '.join(known)}")
         if self.num_classes < 2:
             raise UserError(f"--num-classes must be at least 2, got {self.num_classes}")
 

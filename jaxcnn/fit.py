@@ -313,7 +313,8 @@ def _train_epoch(
         pending.append(step_metrics)
         if books.images_seen == 0:  # one-off costs: keep them out of steady state
             jax.block_until_ready(state)
-            books.first_step_seconds = time.perf_counter() - start
+            books.first_step_finished = time.perf_counter()
+            books.first_step_seconds = books.first_step_finished - start
         books.step += 1
         books.images_seen += batch
         done += 1
@@ -356,6 +357,7 @@ class _Books:
         self.skipped, self.step, self.saved_at = resume.skipped_steps, resume.step, resume.step
         self.images_seen = 0
         self.train_seconds = self.stall_seconds = self.first_step_seconds = 0.0
+        self.first_step_finished = None  # time.perf_counter() when the run's first step had finished
         self.input_startup_seconds = None
         self.fingerprint = None
 
@@ -425,5 +427,7 @@ class _Books:
                 "resumed_from_step": self.resumed_from or None,
                 "diverged_at_step": diverged,
                 "input_startup_seconds": self.input_startup_seconds,
+                "first_step_seconds": self.first_step_seconds if self.images_seen else None,
+                "first_step_finished": self.first_step_finished,
             },
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def _windows(x_BHWC: jax.Array) -> tuple[jax.Array, ...]:
@@ -71,6 +72,11 @@ def _max_pool_backward(residuals, g_BhwC):
 
 
 max_pool_2x2.defvjp(_max_pool_forward, _max_pool_backward)
+
+
+def max_pool_window(x_BHWC: jax.Array) -> jax.Array:
+    """The same pool as `lax.reduce_window` (via flax): XLA's own gradient, select-and-scatter."""
+    return nnx.max_pool(x_BHWC, (2, 2), strides=(2, 2), padding="SAME")
 
 
 def pointwise_conv(inputs, kernel, window_strides, padding, **options):

@@ -68,7 +68,7 @@ class Program:
     init: Any  # () -> state, each device creating its own shards; None when not compiled
     train_step: Any  # (state, images, labels) -> (state, {"loss", "accuracy"[, "skipped"]})
     eval_step: Any  # (state, images, labels, mask) -> (loss_sum, correct_sum, predictions); None without eval
-    compile_seconds: float
+    compile_seconds: float  # tracing, lowering and compiling every program, wall clock
     stages: list[list[CompiledPart]]  # per stage (SPMD: one), what a train step runs
     stage_param_bytes: list[int]  # parameters + statistics per device, per stage
     stage_optimizer_bytes: list[int]
@@ -87,6 +87,7 @@ class Program:
     # (state) -> jaxcnn.saved_model.ModelVariables: the whole model's arrays by path, whatever the layout
     model_variables: Any = None
     description: str = ""  # printed before training (the pipeline's stage table)
+    compile_timings: list = field(default_factory=list)  # jaxcnn.compiling.ProgramTiming per program
 
     @property
     def layout(self) -> Layout:

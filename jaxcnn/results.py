@@ -135,11 +135,29 @@ def summary_text(record: dict) -> str:
         f"test accuracy   {pct(record['test_accuracy'])}"
         + (f"  (loss {record['test_loss']:.4f})" if record["test_loss"] is not None else ""),
         throughput_line(record),
-        f"time            {record['wall_seconds']:.1f} s wall, {record['compile_seconds']:.1f} s compile",
+        f"time            {record['wall_seconds']:.1f} s wall, {record['compile_seconds']:.1f} s compile"
+        + (
+            f", first step done {record['time_to_first_step_seconds']:.1f} s after the start"
+            if record.get("time_to_first_step_seconds") is not None
+            else ""
+        ),
     ]
+    if record.get("programs"):
+        lines.append(compile_line(record["programs"], record.get("compile_cache")))
     if diverged is not None:
         lines.insert(3, f"diverged        at step {diverged}: loss above {DIVERGENCE_FACTOR:g}x step 1's; lower --lr")
     return "\n".join(lines)
+
+
+def compile_line(programs: list[dict], cache: str | None) -> str:
+    """Each program's compile seconds and whether the persistent cache answered it."""
+
+    def one(p):
+        cached = " (cached)" if p["cached"] else ""
+        return f"{p['name']} {p['compile_seconds']:.1f} s{cached}"
+
+    where = f"cache {cache}" if cache else "no compile cache"
+    return f"compiled        {', '.join(one(p) for p in programs)}; {where}"
 
 
 def throughput_line(record: dict) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from jaxcnn import cli, results, runs
+from jaxcnn import cli, compile_cache, results, runs
 from jaxcnn.analysis.cost import step_peak_bytes
 from jaxcnn.analysis.lint import format_report, lint_program
 from jaxcnn.autobatch import largest_batch
@@ -142,6 +142,8 @@ def train(args) -> dict:
                 resumable=not layout.stage_axis and cluster.num_processes == 1,
             )  # fmt: skip
             record = run_record(args, configs, programs, train_config, outcome, loader, test_set)
+            finished = outcome.extra["first_step_finished"]
+            record["time_to_first_step_seconds"] = finished - started if finished is not None else None
             record["run_dir"] = str(run_dir)
             record["interrupted_at_step"] = outcome.steps if interrupted else None
             if not interrupted:
@@ -372,7 +374,10 @@ def run_record(args, configs, programs, train_config, outcome: FitResult, loader
         "test_accuracy": outcome.final_eval.accuracy if outcome.final_eval else None,
         "test_loss": outcome.final_eval.loss if outcome.final_eval else None,
         "images_per_second": outcome.images_per_second,
-        "compile_seconds": program.compile_seconds,
+        "compile_seconds": sum(p.compile_seconds for p in programs.values()),
+        "compile_cache": compile_cache.in_use(),
+        "programs": [t.as_dict() for p in programs.values() for t in p.compile_timings],  # lowering, compile, cache
+        "first_step_seconds": outcome.extra["first_step_seconds"],
         "train_seconds": outcome.train_seconds,
         "input_wait_fraction": outcome.input_wait_fraction,
         "input_workers": loader.workers,

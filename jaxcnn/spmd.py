@@ -17,8 +17,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
-from jaxcnn.models import build_model
+from jaxcnn import platform_choices
+from jaxcnn.compiling import Compilation
+from jaxcnn.models import build_model, resolve_kernels
 from jaxcnn.optim import make_optimizer, optimizer_shardings
 from jaxcnn.program import CompiledPart, Program, ProgramSpec
 from jaxcnn.saved_model import ModelVariables, flat_variables
@@ -47,6 +48,8 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     """Shapes -> shardings -> compiled init, train and eval steps."""
     (model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
      with_eval, with_init, update, compiler_options) = spec  # fmt: skip
+    platform = mesh.devices.flat[0].platform
+    model_config = resolve_kernels(model_config, platform)
     tx = make_optimizer(optim_config, total_steps)
     plan = plan_updates(update, layout, mesh)
     replicas = plan.groups if update.local else 0
@@ -99,31 +102,40 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=vector_sharding)
     context = StepContext(graphdef, tx, mesh, layout, compute_shardings)
     train_step = make_train_step(context, plan, param_shardings, grad_shardings)
-    lowered = {
-        "train": jax.jit(
+    compilation = Compilation(platform)  # train first: on a GPU the others reuse its tuned kernels
+    compilation.lower(
+        "train",
+        jax.jit(
             train_step,
             in_shardings=(state_shardings, image_sharding, vector_sharding),
             out_shardings=(state_shardings, replicated),
             donate_argnums=0,
-        ).lower(abstract_state, images, labels)
-    }
+        ),
+        abstract_state, images, labels,
+    )  # fmt: skip
     if replicas:
-        lowered["average"] = jax.jit(
-            average_replicas, in_shardings=(state_shardings,), out_shardings=state_shardings, donate_argnums=0
-        ).lower(abstract_state)
+        compilation.lower(
+            "average",
+            jax.jit(average_replicas, in_shardings=(state_shardings,), out_shardings=state_shardings, donate_argnums=0),
+            abstract_state,
+        )
     if with_eval:
         eval_images = jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=image_sharding)
         eval_labels = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=vector_sharding)
         eval_mask = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=vector_sharding)
-        lowered["eval"] = jax.jit(
-            lambda state, x, y, m: eval_step(graphdef, layout, mesh, bool(replicas), state, x, y, m),
-            in_shardings=(state_shardings, image_sharding, vector_sharding, vector_sharding),
-            out_shardings=(replicated, replicated, replicated),
-        ).lower(abstract_state, eval_images, eval_labels, eval_mask)
+        compilation.lower(
+            "eval",
+            jax.jit(
+                lambda state, x, y, m: eval_step(graphdef, layout, mesh, bool(replicas), state, x, y, m),
+                in_shardings=(state_shardings, image_sharding, vector_sharding, vector_sharding),
+                out_shardings=(replicated, replicated, replicated),
+            ),
+            abstract_state, eval_images, eval_labels, eval_mask,
+        )  # fmt: skip
     if with_init:
-        lowered["init"] = jax.jit(init, out_shardings=state_shardings).lower()
-    step_options = cpu_step_options(mesh) if compiler_options is None else compiler_options
-    compiled = compile_all(lowered, {"init": cpu_init_options(mesh)}, default=step_options)
+        compilation.lower("init", jax.jit(init, out_shardings=state_shardings))
+    step_options = platform_choices.step_compiler_options(platform) if compiler_options is None else compiler_options
+    compiled = compilation.compile({"init": platform_choices.init_compiler_options(platform)}, default=step_options)
     compile_seconds = time.perf_counter() - start
 
     def model_variables(state: TrainState) -> ModelVariables:
@@ -141,6 +153,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
         train_step=compiled["train"],
         eval_step=compiled.get("eval"),
         compile_seconds=compile_seconds,
+        compile_timings=compilation.timings,
         stages=[[CompiledPart("train", compiled["train"], 1, mesh.size)]],
         stage_param_bytes=[bytes_per_device((abstract_state.params, abstract_state.model_state))],
         stage_optimizer_bytes=[bytes_per_device(abstract_state.opt_state)],

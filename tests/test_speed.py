@@ -17,8 +17,9 @@ from conftest import REPO, TINY_BN_DROPOUT, load_script
 from jaxcnn import cli
 from jaxcnn.analysis.profiling import hlo_ops
 from jaxcnn.build import build_program
-from jaxcnn.compiling import YNN_FUSION_TYPES, compile_with, cpu_step_options
+from jaxcnn.compiling import compile_with
 from jaxcnn.config import ModelConfig, OptimConfig
+from jaxcnn.platform_choices import YNN_FUSION_TYPES, step_compiler_options
 from jaxcnn.sharding import build_mesh, get_layout
 
 # A program with a 64 MiB temporary (the first matmul's result) and a small output: the
@@ -85,10 +86,9 @@ def test_the_optimizer_updates_donated_parameters_in_place_without_copying_them(
 
 
 def test_a_ynn_choice_in_xla_flags_wins_over_jaxcnns(monkeypatch):
-    mesh = build_mesh({"data": 1})
-    assert cpu_step_options(mesh)[YNN_FUSION_TYPES]
+    assert step_compiler_options("cpu")[YNN_FUSION_TYPES]
     monkeypatch.setenv("XLA_FLAGS", f"--{YNN_FUSION_TYPES}=")
-    assert cpu_step_options(mesh) is None
+    assert step_compiler_options("cpu") is None
 
 
 def test_a_compiler_option_this_jaxlib_does_not_know_is_dropped_with_a_warning():

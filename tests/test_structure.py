@@ -10,7 +10,15 @@ from conftest import REPO
 # Bottom to top, as in the README's "How the code is laid out". A module may import its
 # own layer's modules (no cycle: checked below) and those of the layers under it.
 LAYERS = [
-    ("jaxcnn.errors", "jaxcnn.host_memory", "jaxcnn.config", "jaxcnn.compiling", "jaxcnn.layers"),
+    (
+        "jaxcnn.errors",
+        "jaxcnn.host_memory",
+        "jaxcnn.config",
+        "jaxcnn.platform_choices",
+        "jaxcnn.compile_cache",
+        "jaxcnn.compiling",
+        "jaxcnn.layers",
+    ),
     ("jaxcnn.sharding",),
     ("jaxcnn.data",),
     ("jaxcnn.results", "jaxcnn.plots", "jaxcnn.checkpoint", "jaxcnn.distributed", "jaxcnn.autobatch", "jaxcnn.runs"),

@@ -114,7 +114,7 @@ def main(argv=None) -> list[dict]:
         plain_jit_stepper,
     )
     from jaxcnn.analysis.measure import interleaved, random_batch
-    from jaxcnn.compiling import CPU_STEP_OPTIONS
+    from jaxcnn.platform_choices import CPU_WITHOUT_YNN_CONVS
     from jaxcnn.sharding import simulate_cpu_devices
 
     names = cli.some_of(args.configs, CONFIGS, "--configs")
@@ -154,7 +154,7 @@ def main(argv=None) -> list[dict]:
         }
         if device.platform == "cpu":  # the same plain step with jaxcnn's XLA:CPU options: a like-for-like baseline
             variants["plain-jit-cpu-options"] = plain_jit_stepper(
-                config, bench.image_shape, images, labels, CPU_STEP_OPTIONS
+                config, bench.image_shape, images, labels, CPU_WITHOUT_YNN_CONVS
             )
         timed = interleaved({variant: stepper for variant, (stepper, _, _) in variants.items()}, steps, rounds)
         for variant, (_, compile_seconds, flops) in variants.items():

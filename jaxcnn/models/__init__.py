@@ -6,12 +6,14 @@ read, and both run as a sequence of `pipeline_units()`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxcnn import platform_choices
 from jaxcnn.config import ModelConfig
 from jaxcnn.models.cnn import CNN, ConvBlock, cnn_layer_shapes, conv_channel_spaces
 from jaxcnn.models.parts import LayerShape, remat_policy
@@ -28,6 +30,7 @@ __all__ = [
     "cross_entropy",
     "layer_shapes",
     "remat_policy",
+    "resolve_kernels",
 ]
 
 
@@ -36,10 +39,18 @@ def layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int]) -> list
     return (resnet_layer_shapes if config.is_resnet else cnn_layer_shapes)(config, image_shape)
 
 
+def resolve_kernels(config: ModelConfig, platform: str) -> ModelConfig:
+    """`config` with each "auto" kernel choice made for `platform` (jaxcnn.platform_choices)."""
+    chosen = {k: v for k, v in platform_choices.kernels(platform).items() if getattr(config, k) == "auto"}
+    return dataclasses.replace(config, **chosen) if chosen else config
+
+
 def build_model(config: ModelConfig, image_shape: tuple[int, int, int], seed: int) -> CNN | ResNet:
     """The model with initial weights from `seed`. Call it under `jax.jit`/`nnx.eval_shape`
     to create state where it will live: jaxcnn never builds the model on one device and then
-    scatters it (`jaxcnn.spmd` jits `init` with out_shardings)."""
+    scatters it (`jaxcnn.spmd` jits `init` with out_shardings). Kernel choices left "auto"
+    are the default backend's (program builders resolve them for their mesh first)."""
+    config = resolve_kernels(config, jax.default_backend())
     family = ResNet if config.is_resnet else CNN
     with nnx.use_eager_sharding(False):  # placement comes from the layout, not from flax
         return family(config, image_shape, rngs=nnx.Rngs(params=seed))

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcnn.config import ModelConfig
-from jaxcnn.layers import max_pool_2x2
+from jaxcnn.layers import max_pool_2x2, max_pool_window
 from jaxcnn.models.parts import LayerShape, named, norm_layer, normalise, run_block
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import constrain
@@ -50,6 +50,7 @@ class ConvBlock(nnx.Module):
         dtype = jnp.dtype(config.dtype)
         norm = config.norm
         self.remat, self.remat_names = config.remat, config.remat_names
+        self.pool = config.max_pool  # jaxcnn.platform_choices: same numbers, a platform's faster kernel
         self.conv = nnx.Conv(
             in_features,
             features,
@@ -73,7 +74,7 @@ class ConvBlock(nnx.Module):
         y = checkpoint_name(self.conv(x_BHWC), "conv")
         y = checkpoint_name(normalise(self.norm, y, train), "norm")
         y = checkpoint_name(nnx.relu(y), "relu")
-        y = max_pool_2x2(y)
+        y = max_pool_2x2(y) if self.pool == "select" else max_pool_window(y)
         return constrain(y, ax.IMAGE_BHWC)
 
 

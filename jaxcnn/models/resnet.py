@@ -91,7 +91,9 @@ def _conv(layer: LayerShape, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Conv:
         use_bias=config.norm != "batch",  # batch norm's mean removes a bias (and its gradient)
         kernel_init=CONV_INIT,
         dtype=jnp.dtype(config.dtype),
-        conv_general_dilated=pointwise_conv if layer.kernel == 1 else jax.lax.conv_general_dilated,
+        conv_general_dilated=pointwise_conv
+        if layer.kernel == 1 and config.conv1x1 == "dot"
+        else jax.lax.conv_general_dilated,
         rngs=rngs,
     )
 

@@ -25,8 +25,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.compiling import compile_all, cpu_init_options, cpu_step_options
-from jaxcnn.models import build_model, cross_entropy
+from jaxcnn import platform_choices
+from jaxcnn.compiling import Compilation
+from jaxcnn.models import build_model, cross_entropy, resolve_kernels
 from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
 from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
 from jaxcnn.pipeline.split import Stage, stage_groups, sub_meshes
@@ -49,6 +50,8 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     # a pipeline always compiles init, and has no update rule but its micro-batches (jaxcnn.build checks)
     (model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
      with_eval, _, _, compiler_options) = spec  # fmt: skip
+    platform = mesh.devices.flat[0].platform
+    model_config = resolve_kernels(model_config, platform)
     num_stages = mesh.shape[layout.stage_axis]
     groups = stage_groups(model_config, image_shape, num_stages, stage_split)
     m = microbatches
@@ -225,9 +228,13 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     )
     if with_eval:
         lowered["tail"] = jax.jit(eval_loss, out_shardings=(rep[-1], rep[-1], rep[-1])).lower(logits_sds, vec, fvec)
-    options = {key: cpu_init_options(mesh) for key in lowered if isinstance(key, tuple) and key[1] == "init"}
-    step_options = cpu_step_options(mesh) if compiler_options is None else compiler_options
-    compiled = compile_all(lowered, options, default=step_options)
+    init_options = platform_choices.init_compiler_options(platform)
+    options = {key: init_options for key in lowered if isinstance(key, tuple) and key[1] == "init"}
+    step_options = platform_choices.step_compiler_options(platform) if compiler_options is None else compiler_options
+    compilation = Compilation(platform)
+    for key, low in lowered.items():  # lowered as the stages were built: their time is in the build's total
+        compilation.add(key, low)
+    compiled = compilation.compile(options, default=step_options)
     for (s, name), program in ((k, v) for k, v in compiled.items() if isinstance(k, tuple)):
         programs[s][name] = program
     eval_tail, group_images, group_labels = compiled.get("tail"), compiled["group_images"], compiled["group_labels"]
@@ -247,6 +254,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         train_step=schedule.train_step,
         eval_step=schedule.eval_step,
         compile_seconds=compile_seconds,
+        compile_timings=compilation.timings,
         stages=per_step,
         stage_param_bytes=param_bytes,
         stage_optimizer_bytes=opt_bytes,
