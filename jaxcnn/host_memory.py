@@ -18,13 +18,19 @@ crossed by ResNet-50's 1.1 GiB temp buffer at 224x224, batch 8: 283,000 faults a
 
 `keep_freed_memory()` runs when `jaxcnn` is imported: settings reach only threads that
 start afterwards, and importing jaxcnn is the earliest point a user's program gives us
-before JAX starts its thread pools. Set JAXCNN_KEEP_HOST_MEMORY=0 to leave malloc alone;
-a MALLOC_ARENA_MAX / MALLOC_MMAP_MAX_ / MALLOC_TRIM_THRESHOLD_ set in the environment wins.
+before JAX starts its thread pools. They apply where they were measured: a process whose
+JAX computes on the CPU -- not where a GPU or TPU plugin is installed (JAX_PLATFORMS=cpu
+overrides that), and not in worker processes (grain's decoders, which run no XLA).
+JAXCNN_KEEP_HOST_MEMORY=1 applies them anywhere, =0 nowhere; a MALLOC_ARENA_MAX /
+MALLOC_MMAP_MAX_ / MALLOC_TRIM_THRESHOLD_ set in the environment wins.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
+import importlib.util
+import multiprocessing
 import os
 import sys
 
@@ -41,8 +47,11 @@ _SETTINGS = (  # (mallopt parameter, value, the environment variable that overri
 
 
 def keep_freed_memory() -> bool:
-    """Apply the settings above on glibc Linux; True when they were applied."""
-    if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT, "1") == "0":
+    """Apply the settings above on glibc Linux where they pay; True when they were applied."""
+    wanted = os.environ.get(OPT_OUT)
+    if wanted == "0" or not sys.platform.startswith("linux"):
+        return False
+    if wanted != "1" and (multiprocessing.parent_process() is not None or not computes_on_cpu()):
         return False
     try:
         libc = ctypes.CDLL(None)
@@ -51,3 +60,22 @@ def keep_freed_memory() -> bool:
     if not hasattr(libc, "gnu_get_libc_version"):  # the parameters above are glibc's (not musl's)
         return False
     return all(libc.mallopt(param, value) == 1 for param, value, env in _SETTINGS if env not in os.environ)
+
+
+def computes_on_cpu() -> bool:
+    """Will JAX compute on the CPU in this process? Told without starting JAX: JAX_PLATFORMS
+    if set, else whether an accelerator plugin (jax_cuda12_plugin, libtpu, ...) is installed."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    if importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins"):
+        return False  # JAX finds plugins by this entry point group or in this namespace package
+    return not _has_libtpu()
+
+
+def _has_libtpu() -> bool:
+    try:
+        importlib.metadata.distribution("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

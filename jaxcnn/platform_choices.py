@@ -13,6 +13,7 @@ safe default, what XLA does with the program as written.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -74,6 +75,21 @@ def pick(measured: dict[str, tuple[float, float]]) -> str:
     close = [v for v, (s, c) in measured.items() if s <= step * (1 + STEP_TOLERANCE)]
     quickest = min(close, key=lambda v: measured[v][1])
     return quickest if measured[quickest][1] <= compile_seconds * (1 - COMPILE_ADVANTAGE) else fastest
+
+
+def pick_across(measurements: list[dict[str, tuple[float, float]]]) -> str:
+    """`pick` over several configurations' measurements ({variant: (step s, compile s)} each):
+    each variant's geometric mean, over the configurations, of its times relative to that
+    configuration's fastest -- so a large model's seconds do not outvote a small one's."""
+    common = set.intersection(*(set(m) for m in measurements))
+
+    def relative(index: int, variant: str) -> float:
+        return math.exp(
+            sum(math.log(m[variant][index] / min(m[v][index] for v in common)) for m in measurements)
+            / len(measurements)
+        )
+
+    return pick({v: (relative(0, v), relative(1, v)) for v in common})
 
 
 YNN_FUSION_TYPES = "xla_cpu_experimental_ynn_fusion_type"

@@ -68,7 +68,8 @@ class Program:
     init: Any  # () -> state, each device creating its own shards; None when not compiled
     train_step: Any  # (state, images, labels) -> (state, {"loss", "accuracy"[, "skipped"]})
     eval_step: Any  # (state, images, labels, mask) -> (loss_sum, correct_sum, predictions); None without eval
-    compile_seconds: float  # tracing, lowering and compiling every program, wall clock
+    compile_seconds: float  # XLA compiling every program (or reading the compile cache), wall clock
+    lower_seconds: float  # tracing and lowering every program before that, wall clock
     stages: list[list[CompiledPart]]  # per stage (SPMD: one), what a train step runs
     stage_param_bytes: list[int]  # parameters + statistics per device, per stage
     stage_optimizer_bytes: list[int]

@@ -136,6 +136,7 @@ def summary_text(record: dict) -> str:
         + (f"  (loss {record['test_loss']:.4f})" if record["test_loss"] is not None else ""),
         throughput_line(record),
         f"time            {record['wall_seconds']:.1f} s wall, {record['compile_seconds']:.1f} s compile"
+        + (f" ({record['lower_seconds']:.1f} s tracing before it)" if record.get("lower_seconds") is not None else "")
         + (
             f", first step done {record['time_to_first_step_seconds']:.1f} s after the start"
             if record.get("time_to_first_step_seconds") is not None

@@ -374,7 +374,8 @@ def run_record(args, configs, programs, train_config, outcome: FitResult, loader
         "test_accuracy": outcome.final_eval.accuracy if outcome.final_eval else None,
         "test_loss": outcome.final_eval.loss if outcome.final_eval else None,
         "images_per_second": outcome.images_per_second,
-        "compile_seconds": sum(p.compile_seconds for p in programs.values()),
+        "lower_seconds": sum(p.lower_seconds for p in programs.values()),  # tracing and lowering
+        "compile_seconds": sum(p.compile_seconds for p in programs.values()),  # XLA, or the compile cache
         "compile_cache": compile_cache.in_use(),
         "programs": [t.as_dict() for p in programs.values() for t in p.compile_timings],  # lowering, compile, cache
         "first_step_seconds": outcome.extra["first_step_seconds"],

@@ -1,4 +1,10 @@
-"""8 simulated CPU devices for every test: set before anything touches a JAX device."""
+"""8 simulated CPU devices for every test: set before anything touches a JAX device. The
+commands' compile cache goes to a directory of the session's own, never ~/.cache/jaxcnn."""
+
+import os
+import tempfile
+
+os.environ["JAXCNN_CACHE"] = tempfile.mkdtemp(prefix="jaxcnn-test-cache-")
 
 import jax
 

@@ -147,3 +147,78 @@ def test_resnet_twin_holds_every_jax_weight_and_statistic():
     with torch.no_grad():
         theirs = twin.eval()(torch.from_numpy(images)).numpy()
     np.testing.assert_allclose(theirs, np.asarray(jax_model(jnp.asarray(images), train=False)), atol=1e-4)
+
+
+def test_torch_runs_on_the_kind_of_device_jax_runs_on():
+    from jaxcnn.analysis.torch_twin import torch_setup
+    from jaxcnn.errors import UserError
+
+    cpu = torch_setup("cpu", "float32", cuda_available=True)  # a CUDA torch still compares on the CPU
+    assert (cpu.device, cpu.channels_last, cpu.cudnn_benchmark, cpu.dtype) == ("cpu", False, False, "float32")
+    assert torch_setup("cpu", "bfloat16", cuda_available=False).dtype == "bfloat16"
+    gpu = torch_setup("gpu", "bfloat16", cuda_available=True)
+    assert (gpu.device, gpu.channels_last, gpu.cudnn_benchmark, gpu.dtype) == ("cuda", True, True, "bfloat16")
+    with pytest.raises(UserError, match=r"torch.cuda.is_available\(\) is false.*JAX_PLATFORMS=cpu"):
+        torch_setup("gpu", "float32", cuda_available=False)
+    with pytest.raises(UserError, match="not tpu"):
+        torch_setup("tpu", "float32", cuda_available=False)
+    with pytest.raises(UserError, match="float16"):
+        torch_setup("cpu", "float16", cuda_available=False)
+
+
+def test_torch_twin_steps_channels_last_under_bfloat16_autocast():
+    torch = pytest.importorskip("torch")
+
+    from jaxcnn.analysis import torch_twin
+    from jaxcnn.config import ModelConfig
+    from jaxcnn.models import build_model
+
+    config, shape = ModelConfig(), (12, 12, 1)
+    images = np.random.default_rng(0).random((4, *shape), dtype=np.float32)
+    nchw = torch_twin.place(torch_twin.torch_model(build_model(config, shape, 0), config), torch_twin.CPU_FLOAT32)
+    setup = torch_twin.CPU_FLOAT32._replace(channels_last=True, dtype="bfloat16")  # the GPU's layout, on the CPU
+    twin = torch_twin.place(torch_twin.torch_model(build_model(config, shape, 0), config), setup)
+    assert twin.blocks[0].weight.is_contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():  # the memory format changes no value
+        np.testing.assert_allclose(twin(torch.from_numpy(images)), nchw(torch.from_numpy(images)), atol=1e-6)
+    seconds = torch_twin.torch_step_seconds(twin, images, np.arange(4, dtype=np.int32), 2, setup=setup, warmup=0)
+    assert len(seconds) == 2 and min(seconds) > 0
+    assert twin.blocks[0].weight.dtype == torch.float32  # autocast computes in bfloat16, parameters stay fp32
+
+
+def test_torch_workers_report_first_steps_and_fail_on_one_line():
+    pytest.importorskip("torch")
+
+    from jaxcnn.analysis.torch_twin import FIRST_STEPS, TorchWorkerError, TorchWorkers
+    from jaxcnn.config import ModelConfig
+
+    images = np.random.default_rng(0).random((4, 8, 8, 1), dtype=np.float32)
+    labels = np.arange(4, dtype=np.int32)
+    workers = TorchWorkers(ModelConfig(), (8, 8, 1), images, labels)
+    try:
+        assert workers.first_steps_seconds > 0  # FIRST_STEPS steps of a fresh model
+        assert len(workers(2)) == 2 and workers.peak_memory_bytes is None  # the CPU reports no peak
+    finally:
+        workers.close()
+    assert FIRST_STEPS == 5
+    # a twin the worker cannot build: its error comes back on one line, not as a wait for a reply
+    with pytest.raises(TorchWorkerError, match="torch worker: UserError: the torch twin is written for batch norm"):
+        TorchWorkers(ModelConfig(norm="none"), (8, 8, 1), images, labels)
+
+
+@pytest.mark.slow
+def test_compare_backends_rows_carry_dtype_first_steps_and_memory(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # main sets it: restored after the test
+    out = tmp_path / "compare.csv"
+    flags = ["--configs", "cnn-28", "--batch", "8", "--steps", "2", "--rounds", "1", "--no-ddp", "--out", str(out)]
+    load_script("compare_backends").main(flags)
+    frame = pd.read_csv(out)
+    assert list(zip(frame["backend"], frame["variant"], frame["host_malloc"], strict=True)) == [
+        ("jaxcnn", "single", "keep-freed"), ("torch", "single", "glibc-default"), ("torch", "single", "keep-freed")
+    ]  # fmt: skip
+    assert (frame["global_batch_size"] == 8).all() and (frame["dtype"] == "float32").all()
+    assert (frame["first_steps_seconds"] > 0).all() and frame["peak_memory_bytes"].isna().all()
+    jaxcnn = frame[frame["backend"] == "jaxcnn"].iloc[0]
+    assert 0 < jaxcnn["compile_seconds"] < jaxcnn["first_steps_seconds"]  # jaxcnn's first steps include its compile
+    assert frame[frame["backend"] == "torch"]["compile_seconds"].isna().all()  # eager compiles nothing

@@ -5,14 +5,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxcnn.analysis.cost import step_peak_bytes
-from jaxcnn.analysis.measure import TIMING_OPTIM, timing_program, warm_stepper
+from jaxcnn import compile_cache
+from jaxcnn.analysis.cost import live_bytes, step_peak_bytes
+from jaxcnn.analysis.measure import TIMING_OPTIM, state_stepper, time_steps, timing_program
 from jaxcnn.autobatch import BatchSearch, largest_batch
 from jaxcnn.config import ModelConfig
 from jaxcnn.models import build_model, cross_entropy
@@ -49,10 +52,27 @@ def flops_of(compiled) -> float:
     return float(cost.get("flops", 0.0))
 
 
-def plain_jit_stepper(config: ModelConfig, image_shape, images, labels, options: dict | None = None):
+class Startup(NamedTuple):
+    """What one variant cost before its steady state: the time to its first step."""
+
+    lower_seconds: float  # tracing + lowering, every program
+    compile_seconds: float  # XLA compiling (or reading the persistent cache), every program, wall clock
+    cached: bool | None  # every program read from the persistent cache; None: no cache in use
+    first_step_seconds: float  # init and the first train step, run and waited for
+    seconds: float  # from the start of the build to the end of the first step
+
+
+class Stepper(NamedTuple):
+    steps: Callable[[int], list[float]]  # n -> seconds of n more warm steps
+    startup: Startup
+    flops: float  # per step, XLA's count
+    peak_bytes: int  # the train step's compiled peak per device (memory_analysis)
+
+
+def plain_jit_stepper(config: ModelConfig, image_shape, images, labels, options: dict | None = None) -> Stepper:
     """The same model and optimizer as a user would write them: nnx + optax + jax.jit
-    (compiled with XLA's defaults, or `options`). Returns (steps(n) -> seconds, compile
-    seconds, FLOPs per step)."""
+    (compiled with XLA's defaults, or `options`)."""
+    began = time.perf_counter()
     tx = optax.adam(1e-3)
     graphdef, params, rest = nnx.split(build_model(config, image_shape, 0), nnx.Param, ...)
     opt_state = tx.init(params)
@@ -68,11 +88,17 @@ def plain_jit_stepper(config: ModelConfig, image_shape, images, labels, options:
         return optax.apply_updates(params, updates), rest, opt_state, loss
 
     start = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, rest, opt_state, images, labels).compile(options)
-    compile_seconds = time.perf_counter() - start
+    lowered = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, rest, opt_state, images, labels)
+    lowered_at = time.perf_counter()
+    with compile_cache.watch() as seen:
+        compiled = lowered.compile(options)
+    compiled_at = time.perf_counter()
     x, y = jnp.asarray(images), jnp.asarray(labels)
     *state, loss = compiled(params, rest, opt_state, x, y)  # warm-up; the state is donated: keep the new one
     jax.block_until_ready(loss)
+    done = time.perf_counter()
+    cached = seen["hit"] if compile_cache.in_use() else None
+    startup = Startup(lowered_at - start, compiled_at - lowered_at, cached, done - compiled_at, done - began)
 
     def steps(n: int) -> list[float]:
         """n timed steps after one untimed one, as jaxcnn's stepper (measure.time_steps) does."""
@@ -86,18 +112,36 @@ def plain_jit_stepper(config: ModelConfig, image_shape, images, labels, options:
             state[:] = new_state
         return seconds
 
-    return steps, compile_seconds, flops_of(compiled)
+    return Stepper(steps, startup, flops_of(compiled), live_bytes(compiled.memory_analysis()))
 
 
-def jaxcnn_stepper(config, layout: str, device, image_shape, batch, images, labels):
-    program = timing_program(config, image_shape, batch, layout, devices=[device])
-    return warm_stepper(program, images, labels), program.compile_seconds, flops_of(program.train_step)
+def jaxcnn_stepper(config, layout: str, device, image_shape, batch, images, labels, compiler_options=None) -> Stepper:
+    """jaxcnn's train step under `layout` on one device, its first step already taken
+    (`compiler_options` None: the platform's, jaxcnn.platform_choices)."""
+    began = time.perf_counter()
+    program = timing_program(config, image_shape, batch, layout, devices=[device], compiler_options=compiler_options)
+    built = time.perf_counter()
+    state = program.init()
+    _, state = time_steps(program, state, images, labels, 0)  # the first step (its untimed warm-up)
+    done = time.perf_counter()
+    timings = program.compile_timings
+    cached = None if any(t.cached is None for t in timings) else all(t.cached for t in timings)
+    startup = Startup(program.lower_seconds, program.compile_seconds, cached, done - built, done - began)
+    stepper = state_stepper(program, state, images, labels)
+    return Stepper(stepper, startup, flops_of(program.train_step), live_bytes(program.train_step.memory_analysis()))
 
 
 def device_memory_bytes(device) -> int | None:
     """The memory the device's allocator may hand out (None where it reports none, e.g. CPU)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+def device_peak_bytes(device) -> int | None:
+    """The most memory the device's allocator has held at once in this process (None where
+    it reports none, e.g. CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
 def fill_batch(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from jaxcnn.analysis.hlo import Collective, collectives
 from jaxcnn.build import build_program
+from jaxcnn.platform_choices import probe_compiler_options
 from jaxcnn.program import CompiledPart, Program
 from jaxcnn.sharding.partition import bytes_per_device, quiet_fallbacks
 
@@ -65,6 +66,17 @@ def step_cost(compiled, abstract_state, num_devices: int) -> StepCost:
         optimizer_bytes=bytes_per_device(abstract_state.opt_state),
         flops=float(cost.get("flops", 0.0)),
         collectives=collectives(compiled.as_text(), num_devices),
+    )
+
+
+def live_bytes(memory) -> int:
+    """A compiled program's peak per device from its `memory_analysis()`: inputs, outputs not
+    aliased to inputs, and temporaries."""
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
     )
 
 
@@ -119,8 +131,7 @@ def program_cost(program: Program) -> ProgramCost:
         temp.append(max(m.temp_size_in_bytes for m, _ in analyses))
         # live bytes of each program, plus the optimizer state where it stays resident beside it
         peak.append(max(
-            m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-            + (0 if part.takes_optimizer_state else optimizer_bytes)
+            live_bytes(m) + (0 if part.takes_optimizer_state else optimizer_bytes)
             for part, (m, _) in zip(stage, analyses, strict=True)
         ))  # fmt: skip
         per_part = [part_collectives(part) for part in stage]
@@ -140,7 +151,10 @@ def program_cost(program: Program) -> ProgramCost:
 
 def step_peak_bytes(model_config, optim_config, layout, mesh, image_shape, **build_options) -> Callable[[int], int]:
     """batch -> per-device peak bytes of the train step at that global batch, compiled and
-    never run: what the batch searches (jaxcnn.autobatch) probe."""
+    never run: what the batch searches (jaxcnn.autobatch) probe. Compiled without autotuning
+    on a GPU (it picks among kernels for speed; a search compiles ten or more programs that
+    never run), unless `compiler_options` says otherwise."""
+    build_options.setdefault("compiler_options", probe_compiler_options(mesh.devices.flat[0].platform))
 
     def peak(batch: int) -> int:
         with quiet_fallbacks():  # placements are the same for every probe

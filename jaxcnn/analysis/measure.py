@@ -84,7 +84,12 @@ def time_steps(program: Program, state, images: np.ndarray, labels: np.ndarray, 
 def warm_stepper(program: Program, images: np.ndarray, labels: np.ndarray):
     """`steps(n)` -> seconds of n more warm steps of `program` on one fixed batch, the state
     carried from call to call (time_steps, from a fresh `program.init()`)."""
-    state = [program.init()]
+    return state_stepper(program, program.init(), images, labels)
+
+
+def state_stepper(program: Program, state, images: np.ndarray, labels: np.ndarray):
+    """warm_stepper from a given state."""
+    state = [state]
 
     def steps(n: int) -> list[float]:
         seconds, state[0] = time_steps(program, state[0], images, labels, n)
@@ -149,7 +154,10 @@ def measure_layout(
         **(pipeline_fields(program, cost) if layout.stage_axis else {}),
         "remat": model_config.remat,
         "dtype": model_config.dtype,
+        "lower_seconds": program.lower_seconds,
         "compile_seconds": program.compile_seconds,
+        "compile_cached": _all_cached(program),
+        "first_step_seconds": None,
         "step_seconds": None,
         "images_per_second": None,
         "speedup": None,
@@ -163,10 +171,19 @@ def measure_layout(
             images, labels = random_batch(image_shape, batch_size, model_config.num_classes)
         else:
             images, labels = data.images[:batch_size], data.labels[:batch_size]
-        seconds, _ = time_steps(program, program.init(), images, labels, steps)
+        start = time.perf_counter()
+        _, state = time_steps(program, program.init(), images, labels, 0)  # init and the first step
+        row["first_step_seconds"] = time.perf_counter() - start
+        seconds, _ = time_steps(program, state, images, labels, steps)
         row["step_seconds"] = statistics.median(seconds)
         row["images_per_second"] = batch_size / row["step_seconds"]
     return row
+
+
+def _all_cached(program: Program) -> bool | None:
+    """Every program read from the compile cache (None: no cache in use)."""
+    flags = [t.cached for t in program.compile_timings]
+    return None if None in flags else all(flags)
 
 
 def pipeline_fields(program: Program, cost) -> dict:

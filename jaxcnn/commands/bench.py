@@ -13,12 +13,14 @@ Configs (model, image shape, batch; warm steps and rounds unless --steps/--round
   resnet50-224   resnet50 (ImageNet stem), 224x224x3, batch 8 (opt-in)     6 steps, 2 rounds
 The ResNets take fewer steps: a resnet18-32 step is 377 GFLOP, 2-4 s on a 2-core CPU.
 
-For each config three variants of the same training step on one device: `jaxcnn-single`
-(the `single` layout), `jaxcnn-dp1` (the `dp` layout on data=1: what the sharding
-machinery costs) and `plain-jit` (a plain Flax NNX + optax step under `jax.jit`, no
+For each config three variants of the same training step on one device (--variants):
+`jaxcnn-single` (the `single` layout), `jaxcnn-dp1` (the `dp` layout on data=1: what the
+sharding machinery costs) and `plain-jit` (a plain Flax NNX + optax step under `jax.jit`, no
 shardings, as a user would write it; on CPU also `plain-jit-cpu-options`, the same step
-compiled with jaxcnn's XLA:CPU options, the like-for-like baseline). Timed steps are
-split into rounds that alternate between variants. FLOPs per step come from XLA's
+compiled with jaxcnn's XLA:CPU options, the like-for-like baseline). Each variant's time to
+its first step is printed as it is built -- lowering, compiling (or reading the compile
+cache), the first step -- and kept in the CSV. Timed steps are split into rounds that
+alternate between variants. FLOPs per step come from XLA's
 `cost_analysis`; MFU divides achieved FLOP/s by a peak measured in the same run (the best
 of repeated large matmuls in the same dtype), so it is honest about this machine.
 
@@ -60,9 +62,11 @@ CONFIGS = {
 DEFAULT_CONFIGS = "default,28,224,resnet18-32"
 COLUMNS = [
     "config", "model", "variant", "image_shape", "global_batch_size", "dtype", "median_step_seconds",
-    "images_per_second", "compile_seconds", "flops_per_step", "achieved_flops_per_second", "peak_flops_per_second",
-    "mfu", "steps", "platform", "device_kind",
+    "images_per_second", "compile_seconds", "lower_seconds", "cached", "first_step_seconds",
+    "time_to_first_step_seconds", "compiled_peak_bytes", "device_peak_bytes", "flops_per_step",
+    "achieved_flops_per_second", "peak_flops_per_second", "mfu", "steps", "platform", "device_kind", "compile_cache",
 ]  # fmt: skip
+VARIANTS = ("jaxcnn-single", "jaxcnn-dp1", "plain-jit", "plain-jit-cpu-options")
 
 
 def batch_flag(text: str) -> int | str:
@@ -96,6 +100,10 @@ def parse_flags(argv=None):
         "--fill-memory", metavar="BYTES", help="with --batch fill: memory a step may use, e.g. 64GiB "
         "(default: 70%% of the device's)"
     )  # fmt: skip
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS),
+        help="some of the variants above (plain-jit-cpu-options runs on a CPU only); each compiles its own step",
+    )  # fmt: skip
     cli.add_output_flags(parser, out="runs/bench.csv")
     return parser.parse_args(argv)
 
@@ -104,20 +112,19 @@ def main(argv=None) -> list[dict]:
     args = parse_flags(argv)
     import jax  # after the flags: --help and bad flags answer at once
 
-    from jaxcnn import results
+    from jaxcnn import compile_cache, results
     from jaxcnn.analysis.baselines import (
         FILL_FRACTION,
         device_memory_bytes,
+        device_peak_bytes,
         fill_batch,
-        jaxcnn_stepper,
         peak_flops,
-        plain_jit_stepper,
     )
     from jaxcnn.analysis.measure import interleaved, random_batch
-    from jaxcnn.platform_choices import CPU_WITHOUT_YNN_CONVS
     from jaxcnn.sharding import simulate_cpu_devices
 
     names = cli.some_of(args.configs, CONFIGS, "--configs")
+    chosen = cli.some_of(args.variants, VARIANTS, "--variants")
     width = max(map(len, names))
     if any(n is not None and n < 1 for n in (args.steps, args.rounds)):
         raise UserError("--steps and --rounds must be positive integers")
@@ -147,18 +154,19 @@ def main(argv=None) -> list[dict]:
         steps = args.steps or bench.steps
         rounds = min(args.rounds or bench.rounds, steps)
         images, labels = random_batch(bench.image_shape, batch, config.num_classes)
-        variants = {
-            "jaxcnn-single": jaxcnn_stepper(config, "single", device, bench.image_shape, batch, images, labels),
-            "jaxcnn-dp1": jaxcnn_stepper(config, "dp", device, bench.image_shape, batch, images, labels),
-            "plain-jit": plain_jit_stepper(config, bench.image_shape, images, labels),
-        }
-        if device.platform == "cpu":  # the same plain step with jaxcnn's XLA:CPU options: a like-for-like baseline
-            variants["plain-jit-cpu-options"] = plain_jit_stepper(
-                config, bench.image_shape, images, labels, CPU_WITHOUT_YNN_CONVS
-            )
-        timed = interleaved({variant: stepper for variant, (stepper, _, _) in variants.items()}, steps, rounds)
-        for variant, (_, compile_seconds, flops) in variants.items():
-            seconds = timed[variant]
+        variants = {}
+        for variant in chosen:
+            if variant == "plain-jit-cpu-options" and device.platform != "cpu":
+                continue
+            variants[variant] = _stepper(variant, config, device, bench.image_shape, batch, images, labels)
+            startup = variants[variant].startup
+            print(f"{name:<{width}} {variant:<22} first step {startup.seconds:7.2f} s after the start: lowering "
+                  f"{startup.lower_seconds:.2f} s, compile {startup.compile_seconds:.2f} s"
+                  f"{' (cached)' if startup.cached else ''}, first step {startup.first_step_seconds:.2f} s",
+                  flush=True)  # fmt: skip
+        timed = interleaved({variant: stepper.steps for variant, stepper in variants.items()}, steps, rounds)
+        for variant, stepper in variants.items():
+            seconds, startup, flops = timed[variant], stepper.startup, stepper.flops
             median = statistics.median(seconds)
             rows.append(
                 {
@@ -170,7 +178,13 @@ def main(argv=None) -> list[dict]:
                     "dtype": args.dtype,
                     "median_step_seconds": median,
                     "images_per_second": batch / median,
-                    "compile_seconds": compile_seconds,
+                    "compile_seconds": startup.compile_seconds,
+                    "lower_seconds": startup.lower_seconds,
+                    "cached": startup.cached,
+                    "first_step_seconds": startup.first_step_seconds,
+                    "time_to_first_step_seconds": startup.seconds,
+                    "compiled_peak_bytes": stepper.peak_bytes,
+                    "device_peak_bytes": device_peak_bytes(device),
                     "flops_per_step": flops,
                     "achieved_flops_per_second": flops / median,
                     "peak_flops_per_second": peak,
@@ -178,15 +192,29 @@ def main(argv=None) -> list[dict]:
                     "steps": len(seconds),
                     "platform": device.platform,
                     "device_kind": device.device_kind,
+                    "compile_cache": compile_cache.in_use(),
                 }
             )
             r = rows[-1]
             print(f"{name:<{width}} {variant:<22} {r['images_per_second']:10,.1f} images/s  step {median * 1e3:8.2f} ms  "
-                  f"compile {compile_seconds:5.2f} s  {flops / 1e9:8.3f} GFLOP  MFU {r['mfu']:6.1%}")  # fmt: skip
+                  f"{flops / 1e9:8.3f} GFLOP  MFU {r['mfu']:6.1%}")  # fmt: skip
         speed = {r["variant"]: r["images_per_second"] for r in rows if r["config"] == name}
-        baseline = "plain-jit-cpu-options" if "plain-jit-cpu-options" in speed else "plain-jit"
-        print(f"{name:<{width}} sharding machinery: dp on data=1 at {speed['jaxcnn-dp1'] / speed[baseline] - 1:+.1%} "
-              f"of {baseline}")  # fmt: skip
+        baseline = next((b for b in ("plain-jit-cpu-options", "plain-jit") if b in speed), None)
+        if baseline and "jaxcnn-dp1" in speed:
+            print(f"{name:<{width}} sharding machinery: dp on data=1 at "
+                  f"{speed['jaxcnn-dp1'] / speed[baseline] - 1:+.1%} of {baseline}")  # fmt: skip
         results.write_csv(out, rows, COLUMNS)  # after every config: a run cut short keeps what it measured
     print("wrote", out)
     return rows
+
+
+def _stepper(variant: str, config, device, image_shape, batch: int, images, labels):
+    from jaxcnn.analysis.baselines import jaxcnn_stepper, plain_jit_stepper
+    from jaxcnn.platform_choices import CPU_WITHOUT_YNN_CONVS
+
+    if variant.startswith("jaxcnn-"):
+        layout = "single" if variant == "jaxcnn-single" else "dp"
+        return jaxcnn_stepper(config, layout, device, image_shape, batch, images, labels)
+    # plain-jit-cpu-options: the plain step with jaxcnn's XLA:CPU options, a like-for-like baseline on a CPU
+    options = CPU_WITHOUT_YNN_CONVS if variant == "plain-jit-cpu-options" else None
+    return plain_jit_stepper(config, image_shape, images, labels, options)

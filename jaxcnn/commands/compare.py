@@ -100,7 +100,7 @@ def format_table(rows: list[dict]) -> str:
         return f"{x / 2**20:9.2f}"
 
     head = f"{'layout':<8} {'mesh':<18} {'params MiB':>10} {'opt MiB':>9} {'temp MiB':>9} {'GFLOP':>8} "
-    head += f"{'comm MiB':>9} {'model MiB':>9} {'ratio':>6} {'img/s':>8} {'speedup':>7}"
+    head += f"{'comm MiB':>9} {'model MiB':>9} {'ratio':>6} {'img/s':>8} {'speedup':>7} {'compile s':>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = f"{r['comm_ratio']:6.3f}" if r["comm_ratio"] else "     -"
@@ -109,6 +109,8 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['layout']:<8} {r['mesh']:<18} {mib(r['param_bytes_per_device']):>10} "
             f"{mib(r['optimizer_bytes_per_device'])} {mib(r['temp_bytes_per_device'])} {r['flops_per_device'] / 1e9:8.3f} "
-            f"{mib(r['comm_bytes'])} {mib(r['comm_bytes_model'])} {ratio} {ips} {speed}"
+            f"{mib(r['comm_bytes'])} {mib(r['comm_bytes_model'])} {ratio} {ips} {speed} "
+            f"{r['compile_seconds']:6.1f}{' (c)' if r['compile_cached'] else '    '}"
         )
+    lines.append("compile s: XLA's compile of the step (c: read from the compile cache)")
     return "\n".join(lines)

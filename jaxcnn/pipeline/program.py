@@ -238,7 +238,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     for (s, name), program in ((k, v) for k, v in compiled.items() if isinstance(k, tuple)):
         programs[s][name] = program
     eval_tail, group_images, group_labels = compiled.get("tail"), compiled["group_images"], compiled["group_labels"]
-    compile_seconds = time.perf_counter() - start
+    lower_seconds = time.perf_counter() - start - compilation.seconds  # building the stages and lowering
 
     schedule = GPipe(programs, rep, m, batch_size, seed, group_images, group_labels, eval_tail)
     per_step = [[*(CompiledPart(name, prog[name], m, data_ways, False) for name in PER_MICROBATCH if name in prog),
@@ -253,7 +253,8 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         init=schedule.init,
         train_step=schedule.train_step,
         eval_step=schedule.eval_step,
-        compile_seconds=compile_seconds,
+        compile_seconds=compilation.seconds,
+        lower_seconds=lower_seconds,
         compile_timings=compilation.timings,
         stages=per_step,
         stage_param_bytes=param_bytes,

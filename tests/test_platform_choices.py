@@ -1,0 +1,87 @@
+"""Each platform choice is what its measurements in results/platform_choices.csv pick, the
+safe default (XLA's way) where a platform has none, and both variants of a kernel choice
+compute the same numbers."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import REPO
+from test_gradients import float64_twin, grads_of
+
+from jaxcnn import platform_choices
+from jaxcnn.config import ModelConfig
+from jaxcnn.models import build_model, resolve_kernels
+
+EVIDENCE = REPO / "results/platform_choices.csv"
+KEY = ["model", "image_shape", "global_batch_size", "dtype"]
+
+
+def _measurements(rows: pd.DataFrame) -> list[dict]:
+    """Per configuration: {variant: (seconds per step, cold compile seconds)} of the variants timed."""
+    timed = rows[~rows["timed_out"].astype(bool)]
+    return [
+        {r.variant: (r.median_step_seconds, r.cold_compile_seconds) for r in group.itertuples()}
+        for _, group in timed.groupby(KEY)
+    ]
+
+
+@pytest.mark.parametrize("choice", list(platform_choices.CHOICES))
+def test_each_platforms_choice_is_what_its_measurements_pick(choice):
+    evidence = pd.read_csv(EVIDENCE)
+    spec = platform_choices.CHOICES[choice]
+    measured = evidence[evidence["choice"] == choice]
+    for platform, rows in measured.groupby("platform"):
+        picks = _measurements(rows)
+        assert picks, f"{choice} on {platform}: every variant timed out"
+        assert set().union(*picks) == set(spec.variants), f"{choice} on {platform}: not every variant measured"
+        assert platform_choices.variant(choice, platform) == platform_choices.pick_across(picks), (choice, platform)
+    unmeasured = set(spec.chosen) - set(measured["platform"])
+    assert not unmeasured, f"{choice}: chosen on {unmeasured} without measurements: keep XLA's default there"
+
+
+def test_pick_takes_the_fastest_step_unless_a_close_one_compiles_much_faster():
+    assert platform_choices.pick({"a": (1.00, 100.0), "b": (1.10, 10.0)}) == "a"  # 10% slower: speed wins
+    assert platform_choices.pick({"a": (1.00, 100.0), "b": (1.01, 10.0)}) == "b"  # 1% slower, 10x quicker
+    assert platform_choices.pick({"a": (1.00, 100.0), "b": (1.01, 90.0)}) == "a"  # quicker, but not by enough
+    # across configurations each counts alike, whatever its seconds
+    small, large = {"a": (1.0, 1.0), "b": (2.0, 1.0)}, {"a": (300.0, 1.0), "b": (200.0, 1.0)}
+    assert platform_choices.pick_across([small, large]) == "a"  # 2x faster on one, 1.5x slower on the other
+
+
+def test_a_platform_without_measurements_keeps_xlas_way():
+    assert platform_choices.kernels("tpu") == {"conv1x1": "conv", "max_pool": "window"}
+    assert platform_choices.step_compiler_options("tpu") is None
+    assert platform_choices.probe_compiler_options("gpu") == {platform_choices.AUTOTUNE_LEVEL: 0}
+
+
+@pytest.mark.parametrize(("model", "field"), [("resnet_tiny_bottleneck", "conv1x1"), (ModelConfig().name, "max_pool")])
+def test_both_variants_of_a_kernel_choice_give_the_same_values_and_gradients(model, field):
+    """Same weights, same batch, float64: the two kernels agree to rounding (each kernel's
+    own float64 checks against lax's: tests/test_gradients.py)."""
+    config = ModelConfig(name=model, conv_features=(8, 16) if "resnet" in model else ())
+    images = np.random.default_rng(0).random((4, 32, 32, 3))
+
+    def loss(module, x):
+        return (module(x, train=True) ** 2).sum()
+
+    found = []
+    with jax.enable_x64(True):
+        for variant in platform_choices.CHOICES[field].variants:
+            module = float64_twin(build_model(dataclasses.replace(config, **{field: variant}), (32, 32, 3), 0))
+            found.append((loss(module, images), grads_of(loss, module, images, jit=False)))
+    (value_a, grads_a), (value_b, grads_b) = found
+    np.testing.assert_allclose(value_a, value_b, rtol=1e-10)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10 * np.abs(b).max())
+
+
+def test_auto_kernels_are_resolved_for_the_platform_a_program_is_built_for():
+    config = resolve_kernels(ModelConfig(name="resnet18"), "gpu")
+    assert (config.conv1x1, config.max_pool) == (
+        platform_choices.variant("conv1x1", "gpu"),
+        platform_choices.variant("max_pool", "gpu"),
+    )
+    assert resolve_kernels(dataclasses.replace(config, conv1x1="dot"), "gpu").conv1x1 == "dot"  # a user's choice stays
