@@ -43,10 +43,10 @@ run's --dtype, measured once at the start of the run.
 
 Getting to the first steps, per row (a fresh model, weights on the device, batch placed):
 `first_steps_seconds` is the wall time to finish its first 5 training steps -- for jaxcnn
-its compile (`compile_seconds`) plus its first 5 steps, for torch its first 5 steps (eager:
+its tracing and lowering, its compile (`compile_seconds`) and its first 5 steps, for torch its first 5 steps (eager:
 cuDNN's autotuning on a GPU falls in them; compiled: torch.compile compiles in them).
-`compile_seconds` is jaxcnn's `program.compile_seconds` (tracing, lowering and XLA's compile
-of its train step and init), for torch compiled `first_steps_seconds` less 5 of its median
+`compile_seconds` is jaxcnn's `program.compile_seconds` (XLA's compile of its train step and
+init, or reading them from the compile cache: `compile_cached`), for torch compiled `first_steps_seconds` less 5 of its median
 warm steps (what compiling added), for torch eager empty. `peak_memory_bytes` is the peak
 device memory of a row's process over the config, first steps included: torch's
 `torch.cuda.max_memory_allocated()`, jaxcnn's `peak_bytes_in_use` of its device (JAX cannot
@@ -91,6 +91,7 @@ from jaxcnn.analysis.torch_twin import (
     torch_model,
     torch_setup,
 )
+from jaxcnn.compiling import all_cached
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
 from jaxcnn.models import build_model
@@ -119,7 +120,7 @@ CONFIGS = {
 COLUMNS = [
     "config", "model", "backend", "variant", "host_malloc", "device", "dtype", "image_shape", "global_batch_size",
     "workers", "median_step_seconds", "images_per_second", "ratio_vs_torch", "flops_per_step", "peak_flops_per_second",
-    "mfu", "compile_seconds", "first_steps_seconds", "peak_memory_bytes", "max_logit_diff",
+    "mfu", "compile_seconds", "compile_cached", "first_steps_seconds", "peak_memory_bytes", "max_logit_diff",
     "max_logit_diff_vs_float64", "loss_diff", "steps", "torch_threads",
 ]  # fmt: skip
 
@@ -142,9 +143,14 @@ def _jaxcnn_stepper(config, image_shape, batch, images, labels, layout, mesh):
     """(steps(n) -> seconds, FLOPs of one compiled step, {compile_seconds, first_steps_seconds})."""
     program = timing_program(config, image_shape, batch, layout, mesh)
     if any(timing.cached for timing in program.compile_timings):
-        print(f"jaxcnn's {layout} step was read from the compile cache: its compile_seconds is no compile")
-    first_steps_seconds = program.compile_seconds + _first_steps_seconds(program, images, labels)
-    first = {"compile_seconds": program.compile_seconds, "first_steps_seconds": first_steps_seconds}
+        print(f"jaxcnn's {layout} step was read from the compile cache: its compile_seconds is that read")
+    startup = program.lower_seconds + program.compile_seconds
+    first_steps_seconds = startup + _first_steps_seconds(program, images, labels)
+    first = {
+        "compile_seconds": program.compile_seconds,
+        "compile_cached": all_cached(program.compile_timings),
+        "first_steps_seconds": first_steps_seconds,
+    }
     return warm_stepper(program, images, labels), flops_of(program.train_step), first
 
 

@@ -17,19 +17,20 @@ and the budget left; one that fails or times out is logged and the next runs; a 
 result file exists is skipped, so a second call goes on where the first stopped):
 
   env               nvidia-smi, versions, devices, whether jaxcnn keeps host malloc settings
-  choices_rn50      platform_choices.py conv1x1,autotune on resnet50 224 bf16 batch 256: each
-                    program compiled cold in its own process, then read back from the cache
-                    (warm) and timed alternating; the executables go to the compile cache
-  bench_rn50_bf16   jaxcnn bench resnet50-224 batch 256 bf16: images/s, MFU against a matmul
-                    peak measured in the run, peak memory (reads choices_rn50's executables)
-  torch_bf16        compare_backends.py resnet50-224,cnn-224 batch 256 bf16: PyTorch eager as
-                    GPU users run it (channels_last, bf16 autocast, cudnn.benchmark), same weights
+  torch_bf16        compare_backends.py cnn-224,resnet50-224 batch 256 bf16: PyTorch eager as GPU
+                    users run it (channels_last, bf16 autocast, cudnn.benchmark) against jaxcnn,
+                    same weights, alternating; jaxcnn's compiles here are the cold ones
+  bench_rn50_bf16   jaxcnn bench resnet50-224 batch 256 bf16 in a new process: the warm compile
+                    (the cache), images/s, MFU against a matmul peak measured in the run
   train_cnn_cold    jaxcnn train --synthetic 224x224x3 batch 256, an empty compile cache: the
   train_cnn_warm    run record's per-program compile seconds; then the same run again (warm)
+  choices_rn50      platform_choices.py conv1x1,autotune on resnet50 224 bf16 batch 256 (dot,
+                    conv; levels 4 and 0): each program compiled cold in its own process, read
+                    back from the cache, then timed alternating
+  bench_rn50_fp32   resnet50 fp32 batch 256: the cold compile
+  torch_fp32        compare_backends.py in fp32 (resnet50's compile read from the cache: warm)
   choices_cnn       platform_choices.py max_pool on the default CNN 224 fp32 batch 256
-  bench_rn50_fp32   resnet50 fp32 batch 256, cold, then warm (a second process)
-  torch_fp32        compare_backends.py in fp32
-  torch_compile     compare_backends.py resnet50-224 bf16 with --torch-compile
+  torch_compile     compare_backends.py with --torch-compile, bf16
 
 Results go to runs/gpu_check/ (--results; git-ignored, so a second call on the same machine
 finds them), one CSV or JSON per step plus its log; with $OUT set, a tarball of them and
@@ -46,6 +47,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -115,20 +117,20 @@ def steps(smoke: bool, results: Path, python: str) -> list[tuple[str, int, str, 
         return [*py, str(exp / "compare_backends.py"), "--configs", configs, "--dtype", dtype, "--no-ddp",
                 *torch_timing, *extra, "--out", str(results / out)]  # fmt: skip
 
-    choices = [*py, str(exp / "platform_choices.py"), "--timeout", "30" if smoke else "150", *timing]
+    choices = [*py, str(exp / "platform_choices.py"), "--timeout", "30" if smoke else "300", *timing]
     return [
         ("env", 90, "env.log", [*py, "-c", ENV_SCRIPT, "smoke" if smoke else "gpu"]),
-        ("choices_rn50", 480, "choices_rn50.csv",
-         [*choices, *rn50, *choices_rn50, "--out", str(results / "choices_rn50.csv")]),
-        ("torch_bf16", 240, "torch_bf16.csv", torch("bfloat16", "torch_bf16.csv")),
+        ("torch_bf16", 420, "torch_bf16.csv", torch("bfloat16", "torch_bf16.csv")),
+        ("bench_rn50_bf16", 120, "bench_rn50_bf16.csv", bench("bfloat16", "bench_rn50_bf16.csv")),
         ("train_cnn_cold", 150, "runs/cnn_cold/cnn_cold.json", train("cnn_cold")),
         ("train_cnn_warm", 90, "runs/cnn_warm/cnn_warm.json", train("cnn_warm")),
-        ("bench_rn50_fp32", 240, "bench_rn50_fp32.csv", bench("float32", "bench_rn50_fp32.csv")),
-        ("torch_fp32", 200, "torch_fp32.csv", torch("float32", "torch_fp32.csv")),
+        ("choices_rn50", 600, "choices_rn50.csv",
+         [*choices, *rn50, *choices_rn50, "--out", str(results / "choices_rn50.csv")]),
+        ("bench_rn50_fp32", 360, "bench_rn50_fp32.csv", bench("float32", "bench_rn50_fp32.csv")),
+        ("torch_fp32", 240, "torch_fp32.csv", torch("float32", "torch_fp32.csv")),
         ("choices_cnn", 300, "choices_cnn.csv",
          [*choices, *cnn, "--choices", "max_pool", "--out", str(results / "choices_cnn.csv")]),
-        ("bench_rn50_bf16", 120, "bench_rn50_bf16.csv", bench("bfloat16", "bench_rn50_bf16.csv")),
-        ("torch_compile", 240, "torch_compile.csv", torch("bfloat16", "torch_compile.csv", "--torch-compile")),
+        ("torch_compile", 300, "torch_compile.csv", torch("bfloat16", "torch_compile.csv", "--torch-compile")),
     ]  # fmt: skip
 
 
@@ -197,16 +199,7 @@ def main(argv=None) -> int:
             continue
         print(f"=== {name} (timeout {limit:.0f} s): {' '.join(command[:6])} ...", flush=True)
         began = time.monotonic()
-        with open(results / f"{name}.log", "w") as out:
-            try:
-                proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=env, cwd=REPO, start_new_session=True)  # fmt: skip
-                _tee(proc, out, began + limit)
-                status = "ok" if proc.wait() == 0 else f"failed (exit {proc.returncode})"
-            except TimeoutError:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                status = f"timed out after {limit:.0f} s"
+        status = _run(command, env, results / f"{name}.log", limit)
         print(f"=== {name}: {status}, {time.monotonic() - began:.0f} s", flush=True)
         _log(log, name, status, time.monotonic() - began, limit)
         _package(results)
@@ -216,23 +209,30 @@ def main(argv=None) -> int:
     return 0
 
 
-def _tee(proc, out, deadline: float) -> None:
-    """Copy the step's output to the terminal and its log until it ends or the deadline."""
-    os.set_blocking(proc.stdout.fileno(), False)
-    while True:
-        line = proc.stdout.readline()
-        if line:
-            sys.stdout.write(line)
-            out.write(line)
-            continue
-        if proc.poll() is not None:
-            rest = proc.stdout.read() or ""
-            sys.stdout.write(rest)
-            out.write(rest)
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        time.sleep(0.2)
+def _run(command: list[str], env: dict, log: Path, limit: float) -> str:
+    """Run one step, its output to the terminal and its log, killed (with its children) at the
+    limit; its status."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)  # fmt: skip
+
+    def copy():
+        with open(log, "wb") as out:
+            for line in proc.stdout:
+                sys.stdout.write(line.decode(errors="replace"))
+                sys.stdout.flush()
+                out.write(line)
+
+    reader = threading.Thread(target=copy, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        reader.join(5)
+        return f"timed out after {limit:.0f} s"
+    reader.join(5)
+    return "ok" if code == 0 else f"failed (exit {code})"
 
 
 def _log(path: Path, name: str, status: str, seconds: float, limit: float) -> None:
@@ -257,74 +257,60 @@ def _package(results: Path) -> None:
 
 def summary(results: Path) -> pd.DataFrame:
     """One row per workload from whatever the steps wrote: jaxcnn and PyTorch images/s (one run,
-    alternating), compile seconds cold and warm, peak memory, MFU."""
-
-    def read(name: str) -> pd.DataFrame | None:
-        path = results / name
-        return pd.read_csv(path) if path.exists() else None
-
-    def first(frame: pd.DataFrame | None, **match) -> pd.Series | None:
-        if frame is None:
-            return None
-        for column, value in match.items():
-            frame = frame[frame[column] == value]
-        return frame.iloc[0] if len(frame) else None
-
-    def record(name: str) -> dict | None:
-        path = results / "runs" / name / f"{name}.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-    choices, bench_fp32 = read("choices_rn50.csv"), read("bench_rn50_fp32.csv")
-    chosen = None if choices is None else first(choices[choices["variant"] == choices["chosen"]], choice="conv1x1")
-    cold, warm = record("cnn_cold"), record("cnn_warm")
-    compile_figures = {  # (model family, dtype) -> (cold compile s, warm compile s, where from)
-        ("resnet", "bfloat16"): (
-            chosen["cold_compile_seconds"], chosen["warm_compile_seconds"], "platform_choices"
-        ) if chosen is not None else None,
-        ("resnet", "float32"): (
-            bench_fp32.iloc[0]["compile_seconds"], None, "bench, then compare_backends (warm)"
-        ) if bench_fp32 is not None else None,
-        ("cnn", "float32"): (
-            cold["compile_seconds"], warm["compile_seconds"] if warm else None, "jaxcnn train (train+eval+init)"
-        ) if cold else None,
-    }  # fmt: skip
-    compiled = read("torch_compile.csv")
+    alternating), jaxcnn's compile cold (the first process to compile it) and warm (a later
+    process reading the cache), peak memory, MFU; then `jaxcnn train`'s time to the first step."""
+    frames = {name: pd.read_csv(results / name) for name in CSVS if (results / name).exists()}
+    compiles = []  # (config, dtype, compile seconds, read from the cache?) in the order measured
+    for name, frame in frames.items():
+        if name.startswith("torch"):
+            for _, r in frame[frame["backend"] == "jaxcnn"].iterrows():
+                compiles.append((r["config"], r["dtype"], r["compile_seconds"], bool(r["compile_cached"])))
+        elif name.startswith("bench"):
+            for _, r in frame.iterrows():
+                config = "resnet50-224" if r["model"] == "resnet50" else f"cnn-{r['config']}"
+                compiles.append((config, r["dtype"], r["compile_seconds"], bool(r["cached"])))
     rows = []
-    for dtype, file in (("bfloat16", "torch_bf16.csv"), ("float32", "torch_fp32.csv")):
-        frame = read(file)
-        for config in [] if frame is None else frame["config"].unique():
-            family = "resnet" if "resnet" in config else "cnn"
-            jaxcnn = first(frame, config=config, backend="jaxcnn")
-            eager = first(frame, config=config, backend="torch", variant="single")
-            torch_compiled = first(compiled, config=config, backend="torch", variant="compiled")
-            row = {"workload": f"{config} batch {jaxcnn['global_batch_size'] if jaxcnn is not None else '?'} {dtype}"}
-            if jaxcnn is not None:
-                row.update(jaxcnn_images_per_second=jaxcnn["images_per_second"], jaxcnn_mfu=jaxcnn["mfu"],
-                           jaxcnn_peak_gib=jaxcnn["peak_memory_bytes"] / 2**30)  # fmt: skip
-            if eager is not None:
-                row.update(torch_eager_images_per_second=eager["images_per_second"],
-                           torch_peak_gib=eager["peak_memory_bytes"] / 2**30,
-                           torch_first_steps_seconds=eager["first_steps_seconds"])  # fmt: skip
-                if jaxcnn is not None:
-                    row["vs_torch_eager"] = jaxcnn["images_per_second"] / eager["images_per_second"]
-            if torch_compiled is not None and dtype == "bfloat16":
-                row.update(torch_compiled_images_per_second=torch_compiled["images_per_second"],
-                           torch_compile_seconds=torch_compiled["compile_seconds"])  # fmt: skip
-            figures = compile_figures.get((family, dtype))
-            if figures:
-                row.update(jaxcnn_compile_cold_seconds=figures[0], jaxcnn_compile_warm_seconds=figures[1],
-                           compile_measured_by=figures[2])  # fmt: skip
-                if (family, dtype) == ("resnet", "float32") and jaxcnn is not None:
-                    row["jaxcnn_compile_warm_seconds"] = jaxcnn["compile_seconds"]  # compare_backends read the cache
+    for name in ("torch_bf16.csv", "torch_fp32.csv"):
+        frame = frames.get(name)
+        for _, jaxcnn in [] if frame is None else frame[frame["backend"] == "jaxcnn"].iterrows():
+            config, dtype = jaxcnn["config"], jaxcnn["dtype"]
+            mine = frame[(frame["config"] == config) & (frame["backend"] == "torch")]
+            eager = mine[mine["variant"] == "single"]
+            row = {"workload": f"{config} batch {jaxcnn['global_batch_size']} {dtype}",
+                   "jaxcnn_images_per_second": jaxcnn["images_per_second"], "jaxcnn_mfu": jaxcnn["mfu"],
+                   "jaxcnn_peak_gib": jaxcnn["peak_memory_bytes"] / 2**30}  # fmt: skip
+            for cached, column in ((False, "jaxcnn_compile_cold_seconds"), (True, "jaxcnn_compile_warm_seconds")):
+                found = [c[2] for c in compiles if c[:2] == (config, dtype) and c[3] is cached]
+                row[column] = found[0] if found else None
+            if len(eager):
+                e = eager.iloc[0]
+                row.update(torch_eager_images_per_second=e["images_per_second"],
+                           vs_torch_eager=jaxcnn["images_per_second"] / e["images_per_second"],
+                           torch_peak_gib=e["peak_memory_bytes"] / 2**30,
+                           torch_first_steps_seconds=e["first_steps_seconds"])  # fmt: skip
+            compiled = frames.get("torch_compile.csv")
+            if compiled is not None and dtype == "bfloat16":
+                c = compiled[(compiled["config"] == config) & (compiled["variant"] == "compiled")]
+                if len(c):
+                    row.update(torch_compiled_images_per_second=c.iloc[0]["images_per_second"],
+                               torch_compile_seconds=c.iloc[0]["compile_seconds"])  # fmt: skip
             rows.append(row)
-    if cold:
-        rows.append({"workload": "jaxcnn train, default CNN 224 batch 256 float32: time to first step (cold, warm)",
-                     "jaxcnn_compile_cold_seconds": cold["time_to_first_step_seconds"],
-                     "jaxcnn_compile_warm_seconds": warm["time_to_first_step_seconds"] if warm else None,
-                     "jaxcnn_images_per_second": cold["images_per_second"]})  # fmt: skip
+    for name in ("cnn_cold", "cnn_warm"):
+        path = results / "runs" / name / f"{name}.json"
+        if path.exists():
+            record = json.loads(path.read_text())
+            rows.append({"workload": f"jaxcnn train ({name.split('_')[1]}), {record['model']}, "
+                         f"{'x'.join(map(str, record['image_shape']))} batch {record['global_batch_size']}",
+                         "jaxcnn_images_per_second": record["images_per_second"],
+                         "jaxcnn_compile_cold_seconds" if name == "cnn_cold" else "jaxcnn_compile_warm_seconds":
+                             record["compile_seconds"],
+                         "time_to_first_step_seconds": record["time_to_first_step_seconds"]})  # fmt: skip
     table = pd.DataFrame(rows)
     table.to_csv(results / "summary.csv", index=False)
     return table
+
+
+CSVS = ("torch_bf16.csv", "bench_rn50_bf16.csv", "bench_rn50_fp32.csv", "torch_fp32.csv")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from jaxcnn import cli, platform_choices, results
 from jaxcnn.config import DEFAULT_MODEL, DTYPES, ModelConfig
 from jaxcnn.data import parse_image_shape
 from jaxcnn.errors import UserError
+from jaxcnn.models import resolve_kernels
 
 PROG = "platform_choices.py"
 COLUMNS = [
@@ -74,7 +75,7 @@ def parse_flags(argv=None):
 def variant_build(choice: str, variant: str, platform: str, config: ModelConfig) -> tuple[ModelConfig, dict | None]:
     """(model config, compiler options; None: the platform's) of one variant; all else is
     the platform's choice, so the platform's own variant builds the program a run builds."""
-    config = dataclasses.replace(config, **platform_choices.kernels(platform))
+    config = resolve_kernels(config, platform)
     if choice in ("conv1x1", "max_pool"):
         return dataclasses.replace(config, **{choice: variant}), None
     platform_options = platform_choices.step_compiler_options(platform) or {}

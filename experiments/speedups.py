@@ -24,15 +24,14 @@ from jaxcnn.analysis.measure import SIZES as ALL_SIZES
 from jaxcnn.analysis.measure import random_batch, time_steps, timing_program
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
-from jaxcnn.platform_choices import CPU_WITHOUT_YNN_CONVS as CPU_STEP_OPTIONS
-from jaxcnn.platform_choices import YNN_FUSION_TYPES
+from jaxcnn.platform_choices import CPU_WITHOUT_YNN_CONVS, YNN_FUSION_TYPES
 
 PROG = "speedups.py"
 SIZES = {size: ALL_SIZES[size] for size in ("28", "224")}
-# XLA:CPU options tried on top of jaxcnn's (CPU_STEP_OPTIONS)
+# XLA:CPU options tried on top of jaxcnn's (CPU_WITHOUT_YNN_CONVS)
 EXTRA_OPTIONS = {
     "onednn": {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_custom_call": True},
-    "eltwise": {YNN_FUSION_TYPES: CPU_STEP_OPTIONS[YNN_FUSION_TYPES] + ",LIBRARY_FUSION_TYPE_ELTWISE"},
+    "eltwise": {YNN_FUSION_TYPES: CPU_WITHOUT_YNN_CONVS[YNN_FUSION_TYPES] + ",LIBRARY_FUSION_TYPE_ELTWISE"},
     "xnn-graph": {"xla_cpu_experimental_xnn_graph_fusion_mode": "XNN_GRAPH_FUSION_MODE_GREEDY"},
 }
 # name -> (adopted, keep freed host memory, Eigen convolutions, extra: a key of EXTRA_OPTIONS or "bfloat16")
@@ -63,7 +62,7 @@ def child(variant: str, size: str, steps: int) -> None:
     _, _, eigen, extra = VARIANTS[variant]
     options = {}  # XLA's defaults
     if eigen:
-        options = {**CPU_STEP_OPTIONS, **EXTRA_OPTIONS.get(extra, {})}
+        options = {**CPU_WITHOUT_YNN_CONVS, **EXTRA_OPTIONS.get(extra, {})}
     image_shape, batch = SIZES[size]
     config = ModelConfig(dtype="bfloat16" if extra == "bfloat16" else "float32")
     program = timing_program(config, image_shape, batch, compiler_options=options)  # the switch under test

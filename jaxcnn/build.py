@@ -94,7 +94,8 @@ def build_programs(
     **options,
 ) -> dict[int, Program]:
     """One program per global batch the run uses (a batch schedule has several), each
-    with its learning rate scaled for its batch (jaxcnn.optim.optim_for_batch)."""
+    with its learning rate scaled for its batch (jaxcnn.optim.optim_for_batch). Only the
+    first batch's program compiles `init`: the state passes from program to program."""
     steps = total_steps(train_size, train_config)
     if layout.stage_axis and train_config.batch_schedule:
         raise UserError("--batch-schedule does not apply to --layout pipeline; give it one --batch-size")
@@ -102,7 +103,8 @@ def build_programs(
     for batch in train_config.batch_sizes:
         programs[batch] = build_program(
             model_config, optim_for_batch(optim_config, train_config, batch), layout, mesh, image_shape, batch,
-            steps, seed=train_config.seed, eval_batch_size=train_config.eval_batch_size, **options,
+            steps, seed=train_config.seed, eval_batch_size=train_config.eval_batch_size,
+            with_init=batch == train_config.batch_size, **options,
         )  # fmt: skip
     return programs
 

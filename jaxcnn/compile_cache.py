@@ -11,9 +11,11 @@ still skips autotuning the kernels it shares with one compiled before.
     with watch() as hits:           # which compiles the cache answered, by program name
         ...
 
-Several processes may share one directory: JAX writes an entry only from process 0 (the
-others read), and each entry is written whole under a new name, so a reader never sees a
-partial one.
+In a multi-process job (jax.distributed) only process 0 writes entries and the others read
+them, so the directory must be one every host sees; separate runs that share a directory
+each write what they compile. JAX writes an entry in place: one cut short (a process killed
+while writing) reads as a miss, with a warning each time, until it is deleted -- deleting
+the directory is always safe.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,11 +32,11 @@ from jaxcnn.errors import UserError
 ENV = "JAXCNN_CACHE"
 OFF = "off"
 # Programs that compile faster than this are not stored: every eager jnp operation compiles a
-# tiny program, and thousands of those entries would cost more to read than to rebuild. A
-# default CNN's init compiles in about 0.3 s on CPU, so JAX's 1 s default would leave it out.
-MIN_COMPILE_SECONDS = 0.2
+# tiny program (tens of milliseconds), and thousands of those entries would cost more to read
+# than to rebuild. A small model's init or eval step compiles in a few tenths of a second on a
+# CPU, so JAX's 1 s default would leave them out.
+MIN_COMPILE_SECONDS = 0.1
 _HIT = "/jax/compilation_cache/cache_hits"
-_ASKED = "/jax/compilation_cache/compile_requests_use_cache"
 
 
 def default_dir() -> str:
@@ -47,30 +50,42 @@ def default_dir() -> str:
 def enable(directory: str | None) -> str | None:
     """Cache compiled programs in `directory` (None: default_dir(); "off": no cache).
     Returns the directory in use, or None when off. Call before the first compile; calling
-    again with another directory switches to it."""
+    again switches. A directory that cannot be written is an error when asked for by name;
+    the default one is then left off with a warning (a read-only home must not stop a run)."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
+    asked = directory
     directory = default_dir() if directory is None else directory
+    compilation_cache.reset_cache()  # JAX decides once whether to use the cache; this makes it decide again
     if directory == OFF:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
+    problem = _unwritable(directory)
+    if problem:
+        if asked is not None or os.environ.get(ENV):
+            raise UserError(f"--compile-cache {directory!r}: {problem}; give a writable directory or off")
+        warnings.warn(f"no compile cache: {directory} {problem} (--compile-cache DIR to give another)", stacklevel=2)
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path = str(Path(directory).expanduser().resolve())
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    _listen()
+    return path
+
+
+def _unwritable(directory: str) -> str | None:
+    """Why programs cannot be cached in `directory` (made if missing), or None."""
+    if not directory.strip():
+        return "is empty"
     path = Path(directory).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise UserError(
-            f"--compile-cache {directory}: cannot create it ({error.strerror}); give a writable directory or off"
-        ) from None
-    if not os.access(path, os.W_OK):
-        raise UserError(f"--compile-cache {directory} is not writable; give a writable directory or off")
-    if jax.config.jax_compilation_cache_dir != str(path):
-        compilation_cache.reset_cache()  # the cache object binds its directory on first use
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    _listen()
-    return str(path)
+        return f"cannot be created ({error.strerror})"
+    return None if os.access(path, os.W_OK) else "is not writable"
 
 
 def in_use() -> str | None:
@@ -105,18 +120,16 @@ def _on_event(event: str, **_) -> None:
     record = getattr(_local, "record", None)
     if record is None:
         return
-    if event == _ASKED:
-        record["asked"] = True
-    elif event == _HIT:
+    if event == _HIT:
         record["hit"] = True
 
 
 @contextlib.contextmanager
 def watch() -> Iterator[dict]:
     """Within this thread: yields a dict whose "hit" becomes True if a compile was read from
-    the cache and "asked" True if the cache was consulted at all."""
+    the persistent cache (a program JAX still holds in memory never asks it)."""
     previous = getattr(_local, "record", None)
-    _local.record = record = {"hit": False, "asked": False}
+    _local.record = record = {"hit": False}
     try:
         yield record
     finally:

@@ -10,14 +10,16 @@ On a CPU the programs compile side by side on the host's cores (XLA's compilatio
 hold the Python interpreter). On an accelerator they compile one after another, in the order
 lowered: XLA:GPU times candidate kernels on the device while it compiles, and two programs
 autotuning at once would share the device and both time wrongly; in turn the eval step finds
-the train step's convolutions already tuned (XLA keeps tuned kernels for the process) and
-compiles in a fraction of the time.
+the train step's convolutions already tuned (XLA keeps tuned kernels for the process). A
+compile on an accelerator still running after NOTICE_AFTER seconds -- one the cache did not
+answer -- prints one line saying what is happening and that the next run will not pay it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +58,7 @@ def compile_with(lowered: jax.stages.Lowered, options: dict | None):
 
 
 class Compilation:
-    """The programs of one build: lowered (timed) one by one, then compiled together."""
+    """The programs of one build: lowered (timed) one by one, then compiled (timed)."""
 
     def __init__(self, platform: str):
         self.platform = platform
@@ -79,8 +81,6 @@ class Compilation:
         every program `options` does not name."""
         options = options or {}
         cached = compile_cache.in_use() is not None
-        if self.platform != "cpu":
-            _announce(self.platform, [_name(k) for k in self.lowered])
 
         def one(key):
             with compile_cache.watch() as seen:
@@ -97,7 +97,13 @@ class Compilation:
             with ThreadPoolExecutor(workers) as pool:
                 done = list(pool.map(one, keys))
         else:
-            done = [one(key) for key in keys]
+            notice = threading.Timer(NOTICE_AFTER, _announce, (self.platform, [_name(k) for k in keys]))
+            notice.daemon = True
+            notice.start()
+            try:
+                done = [one(key) for key in keys]
+            finally:
+                notice.cancel()
         self.seconds = time.perf_counter() - start
         self.timings = [timing for _, timing in done]
         return {key: compiled for key, (compiled, _) in zip(keys, done, strict=True)}
@@ -108,21 +114,30 @@ def _name(key) -> str:
     return f"stage{key[0]}/{key[1]}" if isinstance(key, tuple) else str(key)
 
 
-_announced = False
+def kernel_record(model_config, step_options: dict | None) -> dict:
+    """What a build chose for its platform (jaxcnn.platform_choices), for the run record."""
+    own = {"conv1x1": model_config.conv1x1} if model_config.is_resnet else {"max_pool": model_config.max_pool}
+    return {**own, "step_compiler_options": step_options or {}}
+
+
+def all_cached(timings: list[ProgramTiming]) -> bool | None:
+    """Every program read from the persistent cache (None: no cache in use)."""
+    flags = [t.cached for t in timings]
+    return None if None in flags else all(flags)
+
+
+NOTICE_AFTER = 10.0  # seconds: a program read from the cache, or a small one, is done by then
 
 
 def _announce(platform: str, names: list[str]) -> None:
-    """One line before the first compile of the process on an accelerator, where a compile
-    that misses the cache autotunes every new kernel on the device."""
-    global _announced
-    if _announced or jax.process_index() != 0:
+    """One line while a long compile runs on an accelerator (it tunes every new kernel there)."""
+    if jax.process_index() != 0:
         return
-    _announced = True
     where = compile_cache.in_use()
-    later = f"later runs read it from the cache in {where}" if where else "no compile cache (--compile-cache off)"
+    later = f"the next run reads it from {where}" if where else "no compile cache (--compile-cache off)"
     print(
-        f"jaxcnn: compiling {', '.join(names)} for {platform}: XLA tunes each new kernel on the device, which can "
-        f"take minutes the first time; {later}",
+        f"jaxcnn: compiling {', '.join(names)} for {platform}: XLA is timing candidate kernels on the device, "
+        f"which can take minutes the first time; {later}",
         file=sys.stderr,
         flush=True,
     )

@@ -100,6 +100,8 @@ class ModelConfig:
             )
         if self.stem not in STEMS:
             raise UserError(f"unknown --stem {self.stem!r}; use one of {', '.join(STEMS)}")
+        if self.max_pool != "auto":
+            raise UserError(f"--max-pool is for the CNN family's 2x2 pools; drop it for {self.name}")
         if min(widths) < 1:
             raise UserError("layer widths must be positive integers")
         object.__setattr__(self, "conv_features", tuple(widths))
@@ -129,6 +131,8 @@ class ModelConfig:
             raise UserError("layer widths must be positive integers")
         if self.stem != "auto":
             raise UserError(f"--stem is for the ResNets ({', '.join(RESNETS)}); drop it for {self.name}")
+        if self.conv1x1 != "auto":
+            raise UserError(f"--conv1x1 is for the ResNets' 1x1 convolutions; drop it for {self.name}")
         object.__setattr__(self, "conv_features", tuple(conv))
         object.__setattr__(self, "dense_features", tuple(dense))
 

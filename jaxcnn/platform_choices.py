@@ -9,6 +9,10 @@ safe default, what XLA does with the program as written.
 
     variant("conv1x1", "gpu")          # "conv" until a GPU's measurements say otherwise
     step_compiler_options("cpu")       # the XLA options a train/eval step compiles with
+
+Not a platform choice: batch norm's two-pass variance (jaxcnn.models.parts.norm_layer). It
+changes the numbers -- E[x^2] - E[x]^2 cancels where a channel's mean is large beside its
+spread -- so it is held to the float64 gradient bar on every platform, whatever it costs.
 """
 
 from __future__ import annotations
@@ -123,8 +127,3 @@ def init_compiler_options(platform: str) -> dict | None:
     """Init runs once; on CPU, LLVM spends seconds optimising each unrolled threefry
     initializer, so compile it unoptimised (same values to ~1e-7, 2-3x faster compile)."""
     return {"xla_backend_optimization_level": 0} if platform == "cpu" else None
-
-
-def kernels(platform: str) -> dict[str, str]:
-    """The model-side choices (ModelConfig fields) for `platform`."""
-    return {name: variant(name, platform) for name in ("conv1x1", "max_pool")}

@@ -354,7 +354,7 @@ def run_record(args, configs, programs, train_config, outcome: FitResult, loader
         "platform": devices[0].platform,
         "simulated_devices": devices[0].platform == "cpu" and program.mesh.size > 1,
         "num_params": program.num_params,
-        **program.record,
+        **program.record,  # the platform's kernel choices; a pipeline's stages
         "global_batch_size": train_config.batch_size,
         "batch_schedule": [list(pair) for pair in train_config.batch_schedule],
         "learning_rates": {str(b): optim_for_batch(optim_config, train_config, b).learning_rate for b in programs},
@@ -377,7 +377,12 @@ def run_record(args, configs, programs, train_config, outcome: FitResult, loader
         "lower_seconds": sum(p.lower_seconds for p in programs.values()),  # tracing and lowering
         "compile_seconds": sum(p.compile_seconds for p in programs.values()),  # XLA, or the compile cache
         "compile_cache": compile_cache.in_use(),
-        "programs": [t.as_dict() for p in programs.values() for t in p.compile_timings],  # lowering, compile, cache
+        # per program: lowering, compile, cache; a batch schedule's are named by their batch
+        "programs": [
+            {**t.as_dict(), "name": t.name if len(programs) == 1 else f"{t.name}@{batch}"}
+            for batch, p in programs.items()
+            for t in p.compile_timings
+        ],
         "first_step_seconds": outcome.extra["first_step_seconds"],
         "train_seconds": outcome.train_seconds,
         "input_wait_fraction": outcome.input_wait_fraction,

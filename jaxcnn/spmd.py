@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcnn import platform_choices
-from jaxcnn.compiling import Compilation
+from jaxcnn.compiling import Compilation, kernel_record
 from jaxcnn.models import build_model, resolve_kernels
 from jaxcnn.optim import make_optimizer, optimizer_shardings
 from jaxcnn.program import CompiledPart, Program, ProgramSpec
@@ -142,7 +142,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
         params, stats = consensus(state, bool(replicas))  # local SGD: the replicas' average, as evaluated
         return ModelVariables(flat_variables(params), flat_variables(stats))
 
-    return Program(
+    program = Program(
         spec=spec,
         batch_shardings=(image_sharding, vector_sharding),
         eval_shardings=(image_sharding, vector_sharding, vector_sharding),
@@ -165,3 +165,5 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
         batch_order=plan.batch_order(batch_size),
         model_variables=model_variables,
     )
+    program.record["kernels"] = kernel_record(model_config, step_options)
+    return program

@@ -1,12 +1,15 @@
 """8 simulated CPU devices for every test: set before anything touches a JAX device. The
 commands' compile cache goes to a directory of the session's own, never ~/.cache/jaxcnn."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ["JAXCNN_CACHE"] = tempfile.mkdtemp(prefix="jaxcnn-test-cache-")
+atexit.register(shutil.rmtree, os.environ["JAXCNN_CACHE"], ignore_errors=True)
 
-import jax
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 

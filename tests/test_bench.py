@@ -19,6 +19,24 @@ def test_bench_reports_flops_and_an_mfu_below_the_measured_peak(tmp_path):
     assert ((frame["mfu"] > 0) & (frame["mfu"] <= 1)).all()
     # the variants compile the same computation: the same FLOPs within 2%
     assert frame["flops_per_step"].max() <= 1.02 * frame["flops_per_step"].min()
+    # each variant's time to its first step holds its tracing, compile and first step
+    startup = frame["lower_seconds"] + frame["compile_seconds"] + frame["first_step_seconds"]
+    assert (frame["time_to_first_step_seconds"] >= startup).all() and (frame["compile_seconds"] > 0).all()
+
+
+def test_bench_variants_and_a_second_run_reads_its_programs_from_the_cache(tmp_path):
+    from jaxcnn import compile_cache
+
+    flags = ["--configs", "default", "--steps", "1", "--rounds", "1", "--variants", "jaxcnn-dp1,plain-jit",
+             "--compile-cache", str(tmp_path / "cache")]  # fmt: skip
+    try:
+        first, second = (
+            load_script("bench").main([*flags, "--out", str(tmp_path / f"{n}.csv")]) for n in ("first", "second")
+        )
+    finally:
+        compile_cache.enable(None)
+    assert [r["variant"] for r in first] == ["jaxcnn-dp1", "plain-jit"]
+    assert [r["cached"] for r in first] == [False, False] and [r["cached"] for r in second] == [True, True]
 
 
 def test_every_bench_config_builds_its_model():
@@ -220,5 +238,5 @@ def test_compare_backends_rows_carry_dtype_first_steps_and_memory(tmp_path, monk
     assert (frame["global_batch_size"] == 8).all() and (frame["dtype"] == "float32").all()
     assert (frame["first_steps_seconds"] > 0).all() and frame["peak_memory_bytes"].isna().all()
     jaxcnn = frame[frame["backend"] == "jaxcnn"].iloc[0]
-    assert 0 < jaxcnn["compile_seconds"] < jaxcnn["first_steps_seconds"]  # jaxcnn's first steps include its compile
+    assert jaxcnn["compile_seconds"] > 0 and jaxcnn["compile_cached"] in (True, False)
     assert frame[frame["backend"] == "torch"]["compile_seconds"].isna().all()  # eager compiles nothing

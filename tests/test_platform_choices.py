@@ -9,11 +9,13 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import REPO
+from flax import nnx
 from test_gradients import float64_twin, grads_of
 
 from jaxcnn import platform_choices
 from jaxcnn.config import ModelConfig
-from jaxcnn.models import build_model, resolve_kernels
+from jaxcnn.errors import UserError
+from jaxcnn.models import build_model, layer_shapes, resolve_kernels
 
 EVIDENCE = REPO / "results/platform_choices.csv"
 KEY = ["model", "image_shape", "global_batch_size", "dtype"]
@@ -52,7 +54,10 @@ def test_pick_takes_the_fastest_step_unless_a_close_one_compiles_much_faster():
 
 
 def test_a_platform_without_measurements_keeps_xlas_way():
-    assert platform_choices.kernels("tpu") == {"conv1x1": "conv", "max_pool": "window"}
+    assert (platform_choices.variant("conv1x1", "tpu"), platform_choices.variant("max_pool", "tpu")) == (
+        "conv",
+        "window",
+    )
     assert platform_choices.step_compiler_options("tpu") is None
     assert platform_choices.probe_compiler_options("gpu") == {platform_choices.AUTOTUNE_LEVEL: 0}
 
@@ -78,10 +83,22 @@ def test_both_variants_of_a_kernel_choice_give_the_same_values_and_gradients(mod
         np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10 * np.abs(b).max())
 
 
-def test_auto_kernels_are_resolved_for_the_platform_a_program_is_built_for():
-    config = resolve_kernels(ModelConfig(name="resnet18"), "gpu")
-    assert (config.conv1x1, config.max_pool) == (
-        platform_choices.variant("conv1x1", "gpu"),
-        platform_choices.variant("max_pool", "gpu"),
-    )
-    assert resolve_kernels(dataclasses.replace(config, conv1x1="dot"), "gpu").conv1x1 == "dot"  # a user's choice stays
+@pytest.mark.parametrize("conv1x1", ["auto", "dot", "conv"])
+def test_the_resnets_1x1_convolutions_compile_as_their_choice_says(conv1x1):
+    """The lowered forward has a convolution per conv layer, less one per 1x1 conv done as a
+    dot; "auto" is the platform's choice (here a CPU's)."""
+    config = ModelConfig(name="resnet_tiny_bottleneck", conv_features=(8, 16), conv1x1=conv1x1)
+    graphdef, state = nnx.split(build_model(resolve_kernels(config, "cpu"), (16, 16, 3), 0))
+    forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, train=False))
+    convs = forward.lower(state, np.zeros((2, 16, 16, 3), np.float32)).as_text().count("stablehlo.convolution")
+    layers = [layer for layer in layer_shapes(config, (16, 16, 3)) if layer.kind == "conv"]
+    ones = sum(layer.kernel == 1 for layer in layers)
+    used = platform_choices.variant("conv1x1", "cpu") if conv1x1 == "auto" else conv1x1
+    assert ones > 0 and convs == (len(layers) - ones if used == "dot" else len(layers))
+
+
+def test_a_kernel_choice_for_the_other_family_is_refused():
+    with pytest.raises(UserError, match="--conv1x1 is for the ResNets"):
+        ModelConfig(conv1x1="dot")
+    with pytest.raises(UserError, match="--max-pool is for the CNN family"):
+        ModelConfig(name="resnet18", max_pool="select")

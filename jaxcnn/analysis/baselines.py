@@ -17,6 +17,7 @@ from jaxcnn import compile_cache
 from jaxcnn.analysis.cost import live_bytes, step_peak_bytes
 from jaxcnn.analysis.measure import TIMING_OPTIM, state_stepper, time_steps, timing_program
 from jaxcnn.autobatch import BatchSearch, largest_batch
+from jaxcnn.compiling import all_cached
 from jaxcnn.config import ModelConfig
 from jaxcnn.models import build_model, cross_entropy
 from jaxcnn.sharding import build_mesh, get_layout
@@ -124,8 +125,7 @@ def jaxcnn_stepper(config, layout: str, device, image_shape, batch, images, labe
     state = program.init()
     _, state = time_steps(program, state, images, labels, 0)  # the first step (its untimed warm-up)
     done = time.perf_counter()
-    timings = program.compile_timings
-    cached = None if any(t.cached is None for t in timings) else all(t.cached for t in timings)
+    cached = all_cached(program.compile_timings)
     startup = Startup(program.lower_seconds, program.compile_seconds, cached, done - built, done - began)
     stepper = state_stepper(program, state, images, labels)
     return Stepper(stepper, startup, flops_of(program.train_step), live_bytes(program.train_step.memory_analysis()))
@@ -135,13 +135,6 @@ def device_memory_bytes(device) -> int | None:
     """The memory the device's allocator may hand out (None where it reports none, e.g. CPU)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
-
-
-def device_peak_bytes(device) -> int | None:
-    """The most memory the device's allocator has held at once in this process (None where
-    it reports none, e.g. CPU)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
 def fill_batch(

@@ -20,6 +20,7 @@ from jaxcnn.analysis.comm_model import modelled_comm
 from jaxcnn.analysis.cost import program_cost
 from jaxcnn.analysis.hlo import KINDS
 from jaxcnn.build import build_program
+from jaxcnn.compiling import all_cached
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.data import Dataset
 from jaxcnn.program import Program
@@ -156,7 +157,7 @@ def measure_layout(
         "dtype": model_config.dtype,
         "lower_seconds": program.lower_seconds,
         "compile_seconds": program.compile_seconds,
-        "compile_cached": _all_cached(program),
+        "compile_cached": all_cached(program.compile_timings),
         "first_step_seconds": None,
         "step_seconds": None,
         "images_per_second": None,
@@ -178,12 +179,6 @@ def measure_layout(
         row["step_seconds"] = statistics.median(seconds)
         row["images_per_second"] = batch_size / row["step_seconds"]
     return row
-
-
-def _all_cached(program: Program) -> bool | None:
-    """Every program read from the compile cache (None: no cache in use)."""
-    flags = [t.cached for t in program.compile_timings]
-    return None if None in flags else all(flags)
 
 
 def pipeline_fields(program: Program, cost) -> dict:

@@ -63,7 +63,7 @@ DEFAULT_CONFIGS = "default,28,224,resnet18-32"
 COLUMNS = [
     "config", "model", "variant", "image_shape", "global_batch_size", "dtype", "median_step_seconds",
     "images_per_second", "compile_seconds", "lower_seconds", "cached", "first_step_seconds",
-    "time_to_first_step_seconds", "compiled_peak_bytes", "device_peak_bytes", "flops_per_step",
+    "time_to_first_step_seconds", "compiled_peak_bytes", "flops_per_step",
     "achieved_flops_per_second", "peak_flops_per_second", "mfu", "steps", "platform", "device_kind", "compile_cache",
 ]  # fmt: skip
 VARIANTS = ("jaxcnn-single", "jaxcnn-dp1", "plain-jit", "plain-jit-cpu-options")
@@ -101,8 +101,8 @@ def parse_flags(argv=None):
         "(default: 70%% of the device's)"
     )  # fmt: skip
     parser.add_argument(
-        "--variants", default=",".join(VARIANTS),
-        help="some of the variants above (plain-jit-cpu-options runs on a CPU only); each compiles its own step",
+        "--variants", help="some of the variants above, each compiling its own step (default: every one; "
+        "plain-jit-cpu-options on a CPU only)",
     )  # fmt: skip
     cli.add_output_flags(parser, out="runs/bench.csv")
     return parser.parse_args(argv)
@@ -116,7 +116,6 @@ def main(argv=None) -> list[dict]:
     from jaxcnn.analysis.baselines import (
         FILL_FRACTION,
         device_memory_bytes,
-        device_peak_bytes,
         fill_batch,
         peak_flops,
     )
@@ -124,7 +123,7 @@ def main(argv=None) -> list[dict]:
     from jaxcnn.sharding import simulate_cpu_devices
 
     names = cli.some_of(args.configs, CONFIGS, "--configs")
-    chosen = cli.some_of(args.variants, VARIANTS, "--variants")
+    chosen = cli.some_of(args.variants, VARIANTS, "--variants") if args.variants else None
     width = max(map(len, names))
     if any(n is not None and n < 1 for n in (args.steps, args.rounds)):
         raise UserError("--steps and --rounds must be positive integers")
@@ -134,6 +133,12 @@ def main(argv=None) -> list[dict]:
     (out,) = cli.writable_outputs(args.out)
     simulate_cpu_devices(1, at_least=True)
     device = jax.devices()[0]
+    if chosen is None:
+        chosen = [v for v in VARIANTS if v != "plain-jit-cpu-options" or device.platform == "cpu"]
+    elif "plain-jit-cpu-options" in chosen and device.platform != "cpu":
+        raise UserError(
+            f"--variants plain-jit-cpu-options runs on a CPU only; this machine computes on {device.platform}"
+        )
     if args.batch == "fill" and fill_budget is None:
         limit = device_memory_bytes(device)
         if limit is None:
@@ -156,8 +161,6 @@ def main(argv=None) -> list[dict]:
         images, labels = random_batch(bench.image_shape, batch, config.num_classes)
         variants = {}
         for variant in chosen:
-            if variant == "plain-jit-cpu-options" and device.platform != "cpu":
-                continue
             variants[variant] = _stepper(variant, config, device, bench.image_shape, batch, images, labels)
             startup = variants[variant].startup
             print(f"{name:<{width}} {variant:<22} first step {startup.seconds:7.2f} s after the start: lowering "
@@ -184,7 +187,6 @@ def main(argv=None) -> list[dict]:
                     "first_step_seconds": startup.first_step_seconds,
                     "time_to_first_step_seconds": startup.seconds,
                     "compiled_peak_bytes": stepper.peak_bytes,
-                    "device_peak_bytes": device_peak_bytes(device),
                     "flops_per_step": flops,
                     "achieved_flops_per_second": flops / median,
                     "peak_flops_per_second": peak,

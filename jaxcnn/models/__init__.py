@@ -40,9 +40,12 @@ def layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int]) -> list
 
 
 def resolve_kernels(config: ModelConfig, platform: str) -> ModelConfig:
-    """`config` with each "auto" kernel choice made for `platform` (jaxcnn.platform_choices)."""
-    chosen = {k: v for k, v in platform_choices.kernels(platform).items() if getattr(config, k) == "auto"}
-    return dataclasses.replace(config, **chosen) if chosen else config
+    """`config` with its family's kernel choice, if "auto", made for `platform`
+    (jaxcnn.platform_choices): the ResNets' 1x1 convolutions, the CNN's max-pool."""
+    own = "conv1x1" if config.is_resnet else "max_pool"  # the model family's kernel choice
+    if getattr(config, own) != "auto":
+        return config
+    return dataclasses.replace(config, **{own: platform_choices.variant(own, platform)})
 
 
 def build_model(config: ModelConfig, image_shape: tuple[int, int, int], seed: int) -> CNN | ResNet:

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcnn import platform_choices
-from jaxcnn.compiling import Compilation
+from jaxcnn.compiling import Compilation, kernel_record
 from jaxcnn.models import build_model, cross_entropy, resolve_kernels
 from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
 from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
@@ -272,6 +272,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         "stage_param_bytes_per_device": param_bytes,
         "stage_optimizer_bytes_per_device": opt_bytes,
         "bytes_between_stages_per_step": 2 * m * sum(act_bytes[:-1]),  # whole arrays, every boundary
+        "kernels": kernel_record(model_config, step_options),
     }
     program.description = describe(program, groups, m)
     program.model_variables = stage_paths_to_model(model_config, image_shape, groups)
