@@ -6,7 +6,7 @@ record what happened.
     result = fit(programs, state, Loader(train_set), test_set, train_config)
 
 Batches come from the data package's `Loader` (a grain pipeline over the whole run: order,
-read, augment, prefetch); the loop places them, steps, collects metrics and keeps the books.
+read, augment, prefetch); the loop places them, steps, collects metrics and keeps the training log.
 Progress is a bar on a terminal and one line per epoch in a log. Under `interrupt_requests`,
 a Ctrl-C stops the run after the step in flight: the state is saved (`Interrupted`) and the
 run can continue from it exactly; a second Ctrl-C exits at once.
@@ -61,7 +61,7 @@ def evaluate(program: Program, state, dataset: Dataset) -> Evaluation:
 class FitResult:
     state: object
     loss_history: list[float]  # training loss of every optimizer step
-    epochs: list[dict]  # one row per epoch: the DESIGN's CSV columns
+    epochs: list[dict]  # one row per epoch: the per-epoch CSV's columns (results.EPOCH_COLUMNS)
     steps: int
     train_seconds: float  # training loop only (no compile, no eval)
     images_per_second: float | None  # steady state: the first step (warm-up) excluded; None: no step ran
@@ -161,7 +161,7 @@ class Resume:
 
     def rows(self, plan: list[int], config: TrainConfig) -> list[dict]:
         """The epoch rows of a restored run, one for every epoch it had finished. Checkpoints
-        saved at an epoch's last step by jaxcnn before the fix of issue 15 lack that epoch's
+        saved at an epoch's last step by older versions of jaxcnn lack that epoch's
         row: it is rebuilt from the loss and accuracy histories (test figures and timings,
         which cannot be rebuilt, are None)."""
         rows, recorded, first = [], {r["epoch"]: r for r in self.epochs}, 0
@@ -216,10 +216,10 @@ def fit(
         programs = {programs.batch_size: programs}
     loader = train if isinstance(train, Loader) else Loader(train)
     plan = epoch_steps(len(loader), config)
-    books = _Books(resume or Resume(0, [], [], []), plan, config, checkpointer, skip_nonfinite)
+    training_log = _TrainingLog(resume or Resume(0, [], [], []), plan, config, checkpointer, skip_nonfinite)
     total = sum(plan)
     on_terminal = progress and sys.stdout.isatty()  # a bar to redraw; in a log, a line per epoch
-    bar = tqdm(total=total, initial=books.step, unit="step", disable=not on_terminal, mininterval=0.1)
+    bar = tqdm(total=total, initial=training_log.step, unit="step", disable=not on_terminal, mininterval=0.1)
     feeds = {size: program.feed for size, program in programs.items()}
     steps = Schedule(plan, [feeds[config.batch_for_epoch(epoch)] for epoch in range(len(plan))])
     batches = loader.batches(steps, config.seed, _loader_position(resume))
@@ -228,35 +228,39 @@ def fit(
     try:
         for epoch, count in enumerate(plan):
             first_in_epoch += plan[epoch - 1] if epoch else 0
-            if first_in_epoch + count <= books.step:
+            if first_in_epoch + count <= training_log.step:
                 continue  # finished before the checkpoint this run resumed from
             program = programs[config.batch_for_epoch(epoch)]
-            state, row = _train_epoch(program, state, batches, books, epoch, first_in_epoch, count, bar, stop_requested)
+            state, row = _train_epoch(
+                program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop_requested
+            )
             if row is not None:  # the epoch ran to its end (a stop mid-epoch leaves no row)
                 row, result = _evaluated(row, program, state, test_set)
-                books.rows.append(row)
-                if checkpointer is not None and checkpointer.due(books.step, last=books.step == total):
-                    books.save(state, batches)  # at an epoch's end: after its row, so a resumed run's results hold it
+                training_log.rows.append(row)
+                if checkpointer is not None and checkpointer.due(training_log.step, last=training_log.step == total):
+                    training_log.save(
+                        state, batches
+                    )  # at an epoch's end: after its row, so a resumed run's results hold it
                 if on_epoch is not None:
-                    on_epoch(row, books.losses[first_in_epoch : first_in_epoch + count])
+                    on_epoch(row, training_log.losses[first_in_epoch : first_in_epoch + count])
                 if on_terminal:
                     bar.set_postfix(epoch=epoch + 1, loss=f"{row['train_loss']:.4f}", test_acc=row["test_accuracy"])
                 elif progress:
                     print(epoch_line(row, len(plan), total), flush=True)
-            if row is None or (stop_requested() and books.step < total):  # asked to stop, in training or eval
+            if row is None or (stop_requested() and training_log.step < total):  # asked to stop, in training or eval
                 saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
                 for target in saved:
-                    if books.step not in target.steps():  # else saved at this very step already
-                        books.save(state, batches, target)
+                    if training_log.step not in target.steps():  # else saved at this very step already
+                        training_log.save(state, batches, target)
                 bar.close()
-                raise Interrupted(books.result(state, None), [c.directory for c in saved])
+                raise Interrupted(training_log.result(state, None), [c.directory for c in saved])
     finally:
         batches.close()
-    books.input_startup_seconds = batches.startup_seconds
+    training_log.input_startup_seconds = batches.startup_seconds
     bar.close()
     if result is None and test_set is not None:  # resumed at the very end: nothing left to train
         result = evaluate(programs[config.batch_for_epoch(len(plan) - 1)], state, test_set)
-    return books.result(state, result)
+    return training_log.result(state, result)
 
 
 def _evaluated(row: dict, program: Program, state, test_set: Dataset | None) -> tuple[dict, Evaluation | None]:
@@ -295,49 +299,61 @@ def _loader_position(resume: Resume | None) -> dict | None:
 
 
 def _train_epoch(
-    program: Program, state, batches: Batches, books: _Books, epoch: int, first: int, count: int, bar, stop_requested
+    program: Program,
+    state,
+    batches: Batches,
+    training_log: _TrainingLog,
+    epoch: int,
+    first: int,
+    count: int,
+    bar,
+    stop_requested,
 ):
-    """Run epoch `epoch`'s steps from where `books` stands; (new state, the epoch's row).
+    """Run epoch `epoch`'s steps from where `training_log` stands; (new state, the epoch's row).
     The row is None when a stop was requested before the epoch's last step."""
-    batch, total = program.batch_size, sum(books.plan)
-    todo = first + count - books.step
+    batch, total = program.batch_size, sum(training_log.plan)
+    todo = first + count - training_log.step
     pending = []
     start = time.perf_counter()
     done = 0
     for _ in range(todo):
         images, labels = program.place_rows(*batches.next())
         state, step_metrics = program.train_step(state, images, labels)
-        if program.sync_every and ((books.step + 1) % program.sync_every == 0 or books.step + 1 == total):
+        if program.sync_every and ((training_log.step + 1) % program.sync_every == 0 or training_log.step + 1 == total):
             state = program.average_step(state)  # local SGD: replicas meet (and at the end)
         batches.dispatched(step_metrics["loss"])
         pending.append(step_metrics)
-        if books.images_seen == 0:  # one-off costs: keep them out of steady state
+        if training_log.images_seen == 0:  # one-off costs: keep them out of steady state
             jax.block_until_ready(state)
-            books.first_step_finished = time.perf_counter()
-            books.first_step_seconds = books.first_step_finished - start
-        books.step += 1
-        books.images_seen += batch
+            training_log.first_step_finished = time.perf_counter()
+            training_log.first_step_seconds = training_log.first_step_finished - start
+        training_log.step += 1
+        training_log.images_seen += batch
         done += 1
         bar.update(1)
         if done < todo and stop_requested():
             break
-        if books.checkpointer is not None and books.checkpointer.due(books.step) and books.step < first + count:
-            books.collect(pending)  # never save a state that followed a non-finite loss
-            books.save(state, batches)
+        if (
+            training_log.checkpointer is not None
+            and training_log.checkpointer.due(training_log.step)
+            and training_log.step < first + count
+        ):
+            training_log.collect(pending)  # never save a state that followed a non-finite loss
+            training_log.save(state, batches)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
     stall = batches.take_stall_seconds()
-    books.train_seconds += seconds
-    books.stall_seconds += stall
-    books.collect(pending)
+    training_log.train_seconds += seconds
+    training_log.stall_seconds += stall
+    training_log.collect(pending)
     if done < todo:
         return state, None
     return state, {
         "epoch": epoch + 1,
-        "step": books.step,
+        "step": training_log.step,
         "global_batch_size": batch,
-        "train_loss": float(np.mean(books.losses[first : first + count])),
-        "train_accuracy": float(np.mean(books.accuracies[first : first + count])),
+        "train_loss": float(np.mean(training_log.losses[first : first + count])),
+        "train_accuracy": float(np.mean(training_log.accuracies[first : first + count])),
         "test_loss": None,
         "test_accuracy": None,
         "epoch_seconds": seconds,
@@ -346,7 +362,7 @@ def _train_epoch(
     }
 
 
-class _Books:
+class _TrainingLog:
     """What the loop records: histories, epoch rows, timings, checkpoints saved."""
 
     def __init__(self, resume: Resume, plan: list[int], config: TrainConfig, checkpointer, skip_nonfinite: bool):

@@ -1,4 +1,4 @@
-"""Result files: `<run>.json` (one object) and `<run>.csv` (one row per epoch), per DESIGN.
+"""Result files: `<run>.json` (one object) and `<run>.csv` (one row per epoch, EPOCH_COLUMNS).
 
 Files are written to a temporary name and renamed into place, so a failed or interrupted
 run never leaves a half-written result over a good one; they get the mode a plain `open`

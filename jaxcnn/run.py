@@ -339,7 +339,7 @@ def auto_batch(model_config, optim_config, layout, mesh, image_shape, update_con
 
 
 def run_record(args, configs, programs, train_config, outcome: FitResult, loader: Loader, test_set) -> dict:
-    """The result JSON (DESIGN's fields and more)."""
+    """The result JSON: the fields of results.py's schema, and more."""
     model_config, optim_config, _, update_config = configs
     program = programs[train_config.batch_size]
     devices = program.mesh.devices.flat

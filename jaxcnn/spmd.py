@@ -34,8 +34,8 @@ from jaxcnn.steps import (
     StepContext,
     TrainState,
     average_replicas,
-    consensus,
     eval_step,
+    evaluated_variables,
     make_train_step,
     plan_updates,
     replica_sharding,
@@ -139,7 +139,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     lower_seconds = time.perf_counter() - start - compilation.seconds
 
     def model_variables(state: TrainState) -> ModelVariables:
-        params, stats = consensus(state, bool(replicas))  # local SGD: the replicas' average, as evaluated
+        params, stats = evaluated_variables(state, bool(replicas))  # local SGD: the replicas' average, as evaluated
         return ModelVariables(flat_variables(params), flat_variables(stats))
 
     program = Program(

@@ -42,7 +42,7 @@ from jaxcnn.models import cross_entropy
 from jaxcnn.optim import apply_optimizer
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import Layout
-from jaxcnn.sharding.partition import activation_layout, pin
+from jaxcnn.sharding.partition import activation_layout, constrain_sharding
 
 
 class TrainState(NamedTuple):
@@ -125,7 +125,7 @@ def loss_and_grads(ctx: StepContext, params, model_state, key, images, labels):
             # makes its gradient arrive whole too, then be reduce-scattered to the owner
             # shards -- ZeRO-3 -- instead of letting XLA spread the kernels' split into
             # the activations.
-            params = pin(params, ctx.compute_shardings)
+            params = constrain_sharding(params, ctx.compute_shardings)
         model = nnx.merge(ctx.graphdef, params, model_state, copy=True)  # fresh Variables: BN mutates them
         if ctx.norm_axis:
             for _, module in nnx.iter_modules(model):
@@ -153,10 +153,10 @@ def accumulate(ctx: StepContext, params, model_state, key, images, labels, micro
         total, model_state, loss_sum, accuracy_sum = carry
         k, x, y = micro
         loss, accuracy, model_state, grads = loss_and_grads(ctx, params, model_state, jax.random.fold_in(key, k), x, y)
-        total = pin(jax.tree.map(jnp.add, total, grads), grad_shardings)
+        total = constrain_sharding(jax.tree.map(jnp.add, total, grads), grad_shardings)
         return (total, model_state, loss_sum + loss, accuracy_sum + accuracy), None
 
-    zeros = pin(jax.tree.map(jnp.zeros_like, params), grad_shardings)
+    zeros = constrain_sharding(jax.tree.map(jnp.zeros_like, params), grad_shardings)
     init = (zeros, model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (total, model_state, loss_sum, accuracy_sum), _ = jax.lax.scan(body, init, (jnp.arange(microbatches), xs, ys))
     grads = jax.tree.map(lambda g: g / microbatches, total)
@@ -190,7 +190,7 @@ def make_train_step(ctx: StepContext, plan: UpdatePlan, param_shardings, grad_sh
             # per data shard: each device sums its own shard's gradients over the K
             # micro-batches; the pmean after the loop is the step's one reduction
             if ctx.compute_shardings is not None:  # FSDP: gather once, outside the loop
-                at = pin(at, ctx.compute_shardings)
+                at = constrain_sharding(at, ctx.compute_shardings)
 
             def shard(params, model_state, key, x, y):
                 shard_ctx = dataclasses.replace(inner, norm_axis=manual, compute_shardings=None)
@@ -205,7 +205,7 @@ def make_train_step(ctx: StepContext, plan: UpdatePlan, param_shardings, grad_sh
             loss, accuracy, model_state, grads = over_groups(shard, (whole, whole, whole, split, split), (whole,) * 4)(
                 at, state.model_state, key, images, labels
             )
-            grads = pin(grads, param_shardings)  # FSDP: back to the owners
+            grads = constrain_sharding(grads, param_shardings)  # FSDP: back to the owners
         params, opt_state = apply_optimizer(ctx.tx, grads, state.opt_state, state.params)
         history = (*state.history[1:], state.params) if config.staleness else ()
         new_state = TrainState(state.step + 1, params, model_state, opt_state, state.rng, history)
@@ -271,7 +271,7 @@ def average_replicas(state: TrainState) -> TrainState:
     return state._replace(params=jax.tree.map(mean, state.params), model_state=jax.tree.map(mean, state.model_state))
 
 
-def consensus(state: TrainState, local: bool) -> tuple[nnx.State, nnx.State]:
+def evaluated_variables(state: TrainState, local: bool) -> tuple[nnx.State, nnx.State]:
     """The parameters and statistics to evaluate: local SGD's replicas averaged."""
     if not local:
         return state.params, state.model_state
@@ -279,7 +279,7 @@ def consensus(state: TrainState, local: bool) -> tuple[nnx.State, nnx.State]:
 
 
 def eval_step(graphdef, layout: Layout, mesh: Mesh, local: bool, state: TrainState, images, labels, mask):
-    params, model_state = consensus(state, local)
+    params, model_state = evaluated_variables(state, local)
     model = nnx.merge(graphdef, params, model_state)
     with activation_layout(layout, mesh):
         logits = model(images, train=False)

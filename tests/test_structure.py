@@ -1,4 +1,4 @@
-"""The package's imports run one way, down the layers the README lists, and no import of
+"""The package's imports run one way, down the layers docs/code-layout.md lists, and no import of
 a jaxcnn module hides inside a function (cli.py's and the commands', which keep JAX out
 of flag parsing, excepted). Read from the source with `ast`: nothing is imported to check it."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import REPO
 
-# Bottom to top, as in the README's "How the code is laid out". A module may import its
+# Bottom to top, as in docs/code-layout.md ("How the code is laid out"). A module may import its
 # own layer's modules (no cycle: checked below) and those of the layers under it.
 LAYERS = [
     (
@@ -47,7 +47,7 @@ def _layer(module: str) -> int:
     for rank, names in enumerate(LAYERS):
         if any(module == name or module.startswith(name + ".") for name in names) or module == "jaxcnn":
             return rank
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to the README's map")
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to docs/code-layout.md's map")
 
 
 def _imports(path: Path, modules: set[str]) -> list[tuple[str, bool]]:

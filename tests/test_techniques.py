@@ -94,7 +94,7 @@ def test_full_remat_trades_temp_memory_for_flops():
     """Widths growing 4x per block keep each block's activation bytes equal (the pool
     quarters the area), so what the blocks keep for the backward pass outweighs one
     block's backward working set -- the case remat is for. (Where widths only double, the
-    first block's working set sets the peak and remat saves little: README, Remat.)"""
+    first block's working set sets the peak and remat saves little: docs/training-techniques.md, Remat.)"""
     config = ModelConfig(name="cnn2d_3layer_fullconnected_2layer", conv_features=(8, 32, 128), dense_features=(32,))
     rows = {
         remat: measure_layout(

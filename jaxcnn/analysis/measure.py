@@ -2,7 +2,7 @@
 
     row = measure_layout(model_config, layout, mesh_shape, image_shape, batch_size, steps=10)
 
-gives one row of the DESIGN's compare CSV (per-device bytes and FLOPs per optimizer step,
+gives one row of the compare CSV (COMPARE_COLUMNS) (per-device bytes and FLOPs per optimizer step,
 measured and modelled collective bytes, step time, images/s) for every layout, the
 pipeline included: its figures are those of the stage that bounds the step (jaxcnn.analysis.cost).
 `speedup` and `efficiency` are filled in against the `single` row by `add_speedups`.

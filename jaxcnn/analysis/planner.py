@@ -39,7 +39,7 @@ from jaxcnn.sharding.partition import quiet_fallbacks
 
 ALPHA_SECONDS = {"cpu-here": 20e-6, "tpu-v5e": 5e-6}  # default 10 us (GPUs)
 TIE = 0.03
-# fsdp and tp together: only a rules table (README, "Layouts")
+# fsdp and tp together: only a rules table (docs/layouts.md)
 FSDP_TP = parse_rules("batch=data,params=data,conv_out=model,mlp=model", name="fsdp+tp")
 SIMPLICITY = {"single": 0, "dp": 1, "hybrid": 2, "fsdp": 3, "tp": 4, "fsdp+tp": 5, "spatial": 6, "pipeline": 7}
 

@@ -225,10 +225,10 @@ def constrain(x: jax.Array, logical: LogicalNames) -> jax.Array:
     if active is None:
         return x
     layout, mesh = active
-    return pin(x, NamedSharding(mesh, activation_spec(logical, layout, mesh, x.shape)))
+    return constrain_sharding(x, NamedSharding(mesh, activation_spec(logical, layout, mesh, x.shape)))
 
 
-def pin(tree, shardings):
+def constrain_sharding(tree, shardings):
     """`with_sharding_constraint`, also inside a `shard_map` over some of the mesh axes
     (jaxcnn.steps), where a constraint must name the context's mesh, whose manual axes
     the specs leave out."""
