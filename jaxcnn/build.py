@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig, total_steps
 from jaxcnn.errors import UserError
-from jaxcnn.models import build_model
+from jaxcnn.models import CustomModel, build_model
 from jaxcnn.optim import optim_for_batch
 from jaxcnn.pipeline import build_pipeline_program
 from jaxcnn.pipeline.split import default_microbatches
@@ -27,7 +27,7 @@ from jaxcnn.steps import split_model
 
 
 def build_program(
-    model_config: ModelConfig,
+    model_config: ModelConfig | CustomModel,
     optim_config: OptimConfig,
     layout: Layout,
     mesh: Mesh,
@@ -44,7 +44,8 @@ def build_program(
     stage_split: tuple[int, ...] | None = None,
     compiler_options: dict | None = None,
 ) -> Program:
-    """Compile the init, train and eval steps of one (model, layout, mesh, batch size).
+    """Compile the init, train and eval steps of one (model, layout, mesh, batch size);
+    the model one of jaxcnn's (a ModelConfig) or your own (jaxcnn.models.CustomModel).
 
     `with_eval` / `with_init` False skip compiling those (training without a test set;
     cost inspection and planning, which only read the train step). `update` picks the
@@ -66,6 +67,11 @@ def build_program(
         with_eval, with_init, update, compiler_options,
     )  # fmt: skip
     if layout.stage_axis:
+        if isinstance(model_config, CustomModel):
+            raise UserError(
+                f"a model of your own ({model_config.name}) runs under every layout but the pipeline, whose stages "
+                "are cut from jaxcnn's own layer descriptions"
+            )
         return build_pipeline_program(spec, microbatches, stage_split)
     return build_spmd_program(spec)
 

@@ -116,6 +116,8 @@ def _name(key) -> str:
 
 def kernel_record(model_config, step_options: dict | None) -> dict:
     """What a build chose for its platform (jaxcnn.platform_choices), for the run record."""
+    if not hasattr(model_config, "conv1x1"):  # a model of your own (jaxcnn.models.CustomModel)
+        return {"step_compiler_options": step_options or {}}
     own = {"conv1x1": model_config.conv1x1} if model_config.is_resnet else {"max_pool": model_config.max_pool}
     return {**own, "step_compiler_options": step_options or {}}
 

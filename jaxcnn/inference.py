@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcnn.config import ModelConfig
 from jaxcnn.data import Dataset, eval_batches, to_global
 from jaxcnn.errors import UserError
+from jaxcnn.models import call
 from jaxcnn.saved_model import model_template, restore_model
 from jaxcnn.sharding import ParallelDims
 from jaxcnn.sharding import axes as ax
@@ -72,7 +73,7 @@ def load_predictor(
     def logits_of(params, stats, images):
         model = nnx.merge(template.graphdef, params, stats)
         with activation_layout(layout, mesh):
-            return model(images, train=False).astype(jnp.float32)
+            return call(model, images, train=False).astype(jnp.float32)
 
     images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sharding)
     step = (

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcnn.config import UpdateConfig
 from jaxcnn.errors import UserError
-from jaxcnn.models import cross_entropy
+from jaxcnn.models import call, cross_entropy
 from jaxcnn.optim import apply_optimizer
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import Layout
@@ -132,7 +132,7 @@ def loss_and_grads(ctx: StepContext, params, model_state, key, images, labels):
                 if isinstance(module, nnx.BatchNorm):
                     module.axis_name = ctx.norm_axis
         with activation_layout(ctx.layout, ctx.mesh):
-            logits = model(images, train=True, rngs=nnx.Rngs(dropout=key))
+            logits = call(model, images, train=True, rngs=nnx.Rngs(dropout=key))
         _, _, new_model_state = split_model(model)
         return cross_entropy(logits, labels).mean(), (logits, new_model_state)
 
@@ -282,7 +282,7 @@ def eval_step(graphdef, layout: Layout, mesh: Mesh, local: bool, state: TrainSta
     params, model_state = evaluated_variables(state, local)
     model = nnx.merge(graphdef, params, model_state)
     with activation_layout(layout, mesh):
-        logits = model(images, train=False)
+        logits = call(model, images, train=False)
     predictions = jnp.argmax(logits, -1)
     loss_sum = jnp.sum(cross_entropy(logits, labels) * mask)
     correct_sum = jnp.sum((predictions == labels) * mask)

@@ -16,15 +16,18 @@ from flax import nnx
 from jaxcnn import platform_choices
 from jaxcnn.config import ModelConfig
 from jaxcnn.models.cnn import CNN, ConvBlock, cnn_layer_shapes, conv_channel_spaces
+from jaxcnn.models.custom import CustomModel, call
 from jaxcnn.models.parts import LayerShape, remat_policy
 from jaxcnn.models.resnet import ResNet, resnet_layer_shapes
 
 __all__ = [
     "CNN",
     "ConvBlock",
+    "CustomModel",
     "LayerShape",
     "ResNet",
     "build_model",
+    "call",
     "conv_channel_spaces",
     "count_params",
     "cross_entropy",
@@ -39,20 +42,24 @@ def layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int]) -> list
     return (resnet_layer_shapes if config.is_resnet else cnn_layer_shapes)(config, image_shape)
 
 
-def resolve_kernels(config: ModelConfig, platform: str) -> ModelConfig:
+def resolve_kernels(config: ModelConfig | CustomModel, platform: str) -> ModelConfig | CustomModel:
     """`config` with its family's kernel choice, if "auto", made for `platform`
     (jaxcnn.platform_choices): the ResNets' 1x1 convolutions, the CNN's max-pool."""
+    if isinstance(config, CustomModel):
+        return config  # its kernels are its own
     own = "conv1x1" if config.is_resnet else "max_pool"  # the model family's kernel choice
     if getattr(config, own) != "auto":
         return config
     return dataclasses.replace(config, **{own: platform_choices.variant(own, platform)})
 
 
-def build_model(config: ModelConfig, image_shape: tuple[int, int, int], seed: int) -> CNN | ResNet:
+def build_model(config: ModelConfig | CustomModel, image_shape: tuple[int, int, int], seed: int) -> nnx.Module:
     """The model with initial weights from `seed`. Call it under `jax.jit`/`nnx.eval_shape`
     to create state where it will live: jaxcnn never builds the model on one device and then
     scatters it (`jaxcnn.spmd` jits `init` with out_shardings). Kernel choices left "auto"
     are the default backend's (program builders resolve them for their mesh first)."""
+    if isinstance(config, CustomModel):
+        return config.build(seed)
     config = resolve_kernels(config, jax.default_backend())
     family = ResNet if config.is_resnet else CNN
     with nnx.use_eager_sharding(False):  # placement comes from the layout, not from flax
