@@ -1,5 +1,7 @@
 """experiments/bench.py and the torch twin of compare_backends.py: figures from real compiled steps."""
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -39,14 +41,48 @@ def test_bench_variants_and_a_second_run_reads_its_programs_from_the_cache(tmp_p
     assert [r["cached"] for r in first] == [False, False] and [r["cached"] for r in second] == [True, True]
 
 
-def test_every_bench_config_builds_its_model():
+def _default_cnn_params(side: int, channels: int) -> int:
+    """The default CNN by hand: 3x3 convs of 32, 64, 128 (no bias: batch norm's scale and
+    bias instead), three SAME 2x2 pools (side -> ceil(side / 8)), dense 256, 128, 10."""
+    convs = 9 * (channels * 32 + 32 * 64 + 64 * 128) + 2 * (32 + 64 + 128)
+    flat = math.ceil(side / 8) ** 2 * 128
+    return convs + flat * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
+
+
+# torchvision's counts (resnet18 11,689,512, resnet50 25,557,032) with 10 classes, not 1,000;
+# resnet18 at 32x32 on the 3x3 stem instead of the 7x7: 9 x 3 x 64 weights, not 49 x 3 x 64
+BENCH_PARAMS = {
+    "default": _default_cnn_params(8, 1),
+    "28": _default_cnn_params(28, 1),
+    "224": _default_cnn_params(224, 3),
+    "resnet18-32": 11_689_512 - 990 * (512 + 1) - 40 * 3 * 64,
+    "resnet50-224": 25_557_032 - 990 * (2048 + 1),
+}
+
+
+@pytest.mark.parametrize("name", list(BENCH_PARAMS))
+def test_every_bench_config_builds_its_model(name):
+    """The model bench builds for each config (shapes only, no initialisation): its
+    parameters counted by hand, and logits for the config's batch."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
     from jaxcnn.commands import bench
     from jaxcnn.config import ModelConfig
+    from jaxcnn.models import build_model, count_params
 
-    assert set(bench.DEFAULT_CONFIGS.split(",")) <= set(bench.CONFIGS)
-    for config in bench.CONFIGS.values():
-        assert ModelConfig(name=config.model).name == config.model
-        assert config.batch >= 1 and config.steps >= config.rounds >= 1
+    assert set(bench.CONFIGS) == set(BENCH_PARAMS) and set(bench.DEFAULT_CONFIGS.split(",")) <= set(bench.CONFIGS)
+    config = bench.CONFIGS[name]
+    assert config.batch >= 1 and config.steps >= config.rounds >= 1
+    model_config = ModelConfig(name=config.model)  # as bench.main builds it
+    model = nnx.eval_shape(lambda: build_model(model_config, config.image_shape, seed=0))
+    params = count_params(model)
+    assert params == BENCH_PARAMS[name], f"{name}: {params:,} parameters, by hand {BENCH_PARAMS[name]:,}"
+    graphdef, state = nnx.split(model)
+    images = jax.ShapeDtypeStruct((config.batch, *config.image_shape), jnp.float32)
+    logits = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x, train=False), state, images)
+    assert logits.shape == (config.batch, model_config.num_classes)
 
 
 def test_bench_fill_finds_the_largest_batch_within_the_budget():

@@ -143,6 +143,9 @@ def _running(pid: int) -> bool:
     return "State:\tZ" not in status and "State:\tX" not in status
 
 
+KILL_SEED = 0  # draws step 40
+
+
 def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
     """SIGKILL mid-training, then --resume: on an image folder decoded and augmented by two
     grain workers, epochs of 3 steps and checkpoints every 10, so the run stops mid-epoch
@@ -157,7 +160,9 @@ def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
         text=True, timeout=300,
     )  # fmt: skip
     assert reference.returncode == 0, reference.stderr
-    kill_after = random.Random().choice(range(20, 70, 10))
+    # the checkpoint to kill after: one mid-epoch (epochs of 3 steps: 108 of the 120 images
+    # train, 12 are held out), drawn from a fixed seed so that a failure reruns the same kill
+    kill_after = random.Random(KILL_SEED).choice([step for step in range(20, 70, 10) if step % 3])
     victim = subprocess.Popen([*script, *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--run-name", "run"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 240

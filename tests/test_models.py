@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -44,13 +45,41 @@ def test_max_pool_matches_flax_in_values_and_in_gradient_without_ties(shape):
     assert jnp.allclose(jax.vjp(max_pool_2x2, random)[1](dy)[0], jax.vjp(reference, random)[1](dy)[0])
 
 
+def _reference_logits(model, x_BHWC: np.ndarray) -> np.ndarray:
+    """The CNN's evaluation forward in NumPy, float64, from the model's own variables:
+    each block a 3x3 SAME conv, batch norm on the running statistics, ReLU, 2x2 max-pool
+    (even sides here: no padding); then flatten, dense + ReLU, classifier -- no dropout."""
+    value = lambda v: np.asarray(v.get_value(), np.float64)  # noqa: E731
+    h = np.asarray(x_BHWC, np.float64)
+    for block in model.blocks:
+        kernel, (height, width) = value(block.conv.kernel), h.shape[1:3]
+        padded = np.pad(h, ((0, 0), (1, 1), (1, 1), (0, 0)))
+        h = sum(padded[:, i : i + height, j : j + width] @ kernel[i, j] for i in range(3) for j in range(3))
+        norm = block.norm
+        h = (h - value(norm.mean)) / np.sqrt(value(norm.var) + norm.epsilon) * value(norm.scale) + value(norm.bias)
+        h = np.maximum(h, 0)
+        b, height, width, c = h.shape
+        h = h.reshape(b, height // 2, 2, width // 2, 2, c).max(axis=(2, 4))
+    h = h.reshape(h.shape[0], -1)
+    *hidden, classifier = model.dense
+    for layer in hidden:
+        h = np.maximum(h @ value(layer.kernel) + value(layer.bias), 0)
+    return h @ value(classifier.kernel) + value(classifier.bias)
+
+
 def test_small_model_runs_and_dropout_only_in_training():
+    """Evaluation computes the forward written out in NumPy (no dropout: at rate 0.5 it
+    would zero half the hidden units); training draws a dropout mask per key."""
     config = ModelConfig(
         name="cnn2d_2layer_fullconnected_2layer", conv_features=(4, 8), dense_features=(16,), dropout=0.5
     )
     model = build_model(config, (8, 8, 1), seed=0)
-    x = jnp.ones((3, 8, 8, 1))
-    assert jnp.allclose(model(x), model(x))
+    rng = np.random.default_rng(0)
+    for block in model.blocks:  # running statistics away from init's 0 and 1, so they count
+        block.norm.mean.set_value(jnp.asarray(rng.normal(size=block.norm.mean.get_value().shape), jnp.float32))
+        block.norm.var.set_value(jnp.asarray(rng.uniform(0.5, 2, size=block.norm.var.get_value().shape), jnp.float32))
+    x = jnp.asarray(rng.normal(size=(3, 8, 8, 1)), jnp.float32)
+    np.testing.assert_allclose(model(x), _reference_logits(model, np.asarray(x)), rtol=1e-5, atol=1e-5)
     a = model(x, train=True, rngs=nnx.Rngs(dropout=0))
     b = model(x, train=True, rngs=nnx.Rngs(dropout=1))
     assert not jnp.allclose(a, b)

@@ -165,8 +165,14 @@ def test_default_microbatches_keep_batch_norm_statistics_meaningful():
 @pytest.mark.parametrize("mesh", [{"stage": 2}, {"data": 2, "stage": 2}])
 def test_pipeline_compare_row_measures_what_the_layer_shapes_predict(mesh):
     row = measure_layout(TINY_PLAIN, PIPELINE, mesh, (8, 8, 1), 32, microbatches=4)
-    assert row["bytes_between_stages"] > 0 and row["bubble_fraction"] == pytest.approx(1 / 5)
-    assert row["comm_bytes"] == pytest.approx(row["comm_bytes_model"], rel=0.10)
+    # the cut after conv 0 carries each image's pooled 4x4x8 activation forward and its gradient
+    # back: 32 images, 16 a data shard
+    assert row["bytes_between_stages"] == 2 * (32 // mesh.get("data", 1)) * (4 * 4 * 8) * 4
+    assert row["bubble_fraction"] == pytest.approx(1 / 5)
+    # measured: equal on stage=2; on data=2,stage=2 32 bytes over (73,664 vs 73,632, 0.044%):
+    # the loss and accuracy scalars (4 bytes each) all-reduced for each of the 4 micro-batches,
+    # which the model leaves out. 0.1% holds that and catches anything a layer's bytes wrong.
+    assert row["comm_bytes"] == pytest.approx(row["comm_bytes_model"], rel=1e-3)
     assert row["param_bytes_per_device"] < 4 * count_params(build_model(TINY_PLAIN, (8, 8, 1), 0))  # no stage holds all
 
 

@@ -49,18 +49,41 @@ def test_candidates_cover_every_factorisation():
     assert [lay.name for lay, _ in candidates_for(1)] == ["single"]
 
 
+# TINY_PLAIN's forward on a batch of 32 8x8x1 images: 2 FLOPs a multiply-add of each conv and dense
+FORWARD_FLOPS = 2 * 32 * (8 * 8 * 9 * 1 * 8 + 4 * 4 * 9 * 8 * 16 + 64 * 32 + 32 * 10)
+
+
 def test_pipeline_candidates_are_compiled_and_ranked():
     """On 4 devices the planner compiles the pipeline on each stage count the model's layers
-    allow and costs it like any layout: a modelled step time and a peak, ranked and explained."""
-    found = plan(TINY_PLAIN, (8, 8, 1), 32, 4, budget_bytes=1e12, profile=get_profile("h100"), layouts=["pipeline"])
-    assert {c.mesh for c in found} == {"data=2,stage=2", "data=1,stage=4"}
+    allow and costs it like any layout: the busiest stage's figures from its compiled
+    programs, priced by the alpha-beta model with the bubble, ranked and explained."""
+    profile = get_profile("h100")
+    found = plan(TINY_PLAIN, (8, 8, 1), 32, 4, budget_bytes=1e12, profile=profile, layouts=["pipeline"])
+    by_mesh = {c.mesh: c for c in found}
+    assert set(by_mesh) == {"data=2,stage=2", "data=1,stage=4"}
+    four, two = by_mesh["data=1,stage=4"], by_mesh["data=2,stage=2"]
+    # by hand, TINY_PLAIN's layers hold 80, 1,168, 2,080 and 330 parameters: on 4 stages the
+    # busiest holds dense 0; on 2 the FLOP-balanced split is conv 0 | the rest
+    assert four.param_bytes == 4 * 2_080 and two.param_bytes == 4 * (1_168 + 2_080 + 330)
+    # the largest boundary, after conv 0: each image's pooled 4x4x8 activation forward and its
+    # gradient back, for the 32 images (16 a data shard)
+    assert four.cost.transfer_bytes == 2 * 32 * (4 * 4 * 8) * 4 and two.cost.transfer_bytes == 2 * 16 * (4 * 4 * 8) * 4
     for c in found:
+        data, stages = c.mesh_shape["data"], c.mesh_shape["stage"]
         assert c.error is None and c.layout.name == "pipeline"
-        assert c.peak_bytes > 0 and c.param_bytes > 0 and c.flops > 0
-        assert c.compute_seconds > 0 and c.step_seconds >= c.compute_seconds
-        assert c.wire_bytes > 0  # the activations and gradients sent between stages
+        assert c.optimizer_bytes == 2 * c.param_bytes + 8  # Adam's mu and nu, two int32 step counts
+        assert c.peak_bytes >= c.param_bytes + c.optimizer_bytes
+        # the busiest stage: at least its share of a step (forward and backward: 2x to 4x the
+        # forward's FLOPs), at most a whole step on its data shard
+        assert 2 * FORWARD_FLOPS / (stages * data) <= c.flops <= 4 * FORWARD_FLOPS / data
+        assert c.wire_bytes >= c.cost.transfer_bytes
+        # priced: compute stretched by the bubble (S-1)/(M+S-1) (M = 2 micro-batches of 16), and
+        # each collective or send alpha (10 us on a GPU) + wire bytes / link bandwidth
+        assert c.bubble_fraction == pytest.approx((stages - 1) / (2 + stages - 1))
+        assert c.compute_seconds == pytest.approx(c.flops / profile.flops("float32") / (1 - c.bubble_fraction))
+        assert c.comm_seconds == pytest.approx(c.num_collectives * 10e-6 + c.wire_bytes / profile.link_bytes_per_second)
     assert [c.step_seconds for c in found] == sorted(c.step_seconds for c in found)
-    assert "1. pipeline" in explain(found, 1e12)
+    assert explain(found, 1e12).startswith(f"1. pipeline {found[0].mesh} ")
 
 
 def test_budget_parsing():

@@ -2,6 +2,7 @@
 clobbered; `jaxcnn predict` / `jaxcnn evaluate` from it; Ctrl-C saves and `--resume`
 continues; `--help` before JAX."""
 
+import importlib
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ from conftest import REPO, load_train_module, write_digits_csv, write_folder
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxcnn import cli
-from jaxcnn.commands import evaluate, predict
+from jaxcnn.commands import COMMANDS, evaluate, predict
 from jaxcnn.commands import train as train_command
 from jaxcnn.config import LAYOUT_NAMES, ModelConfig
 from jaxcnn.saved_model import flat_variables, model_template, restore_model
@@ -305,23 +306,50 @@ def test_a_second_ctrl_c_exits_at_once():
     assert proc.stdout.splitlines() == ["first: stop requested True"] and "exiting now" in proc.stderr
 
 
-def test_help_answers_before_jax_is_imported_and_shows_every_default():
-    code = "import sys; from jaxcnn.commands import main\ntry: main(['train', '--help'])\nexcept SystemExit: pass\n"
-    code += "print('JAX IMPORTED' if 'jax' in sys.modules else 'no jax')"
+def _parser_of(command: str, monkeypatch) -> cli.FlagParser:
+    """The parser `jaxcnn <command>` builds, caught as it is asked to parse."""
+    module = importlib.import_module(f"jaxcnn.commands.{command}")
+    caught = []
+
+    def catch(self, args=None, namespace=None):
+        caught.append(self)
+        raise SystemExit(0)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cli.FlagParser, "parse_args", catch)
+        with pytest.raises(SystemExit):
+            module.parse_flags([])
+    return caught[0]
+
+
+def test_help_answers_before_jax_is_imported_and_shows_every_default(monkeypatch):
+    """Every command in `jaxcnn.commands.COMMANDS`: `--help` prints its usage without
+    importing JAX, and each flag's help ends in its default (or says it is required)."""
+    code = textwrap.dedent("""
+        import sys
+        from jaxcnn.commands import COMMANDS, main
+        for name in COMMANDS:
+            try:
+                main([name, "--help"])
+            except SystemExit as stop:
+                print("exit", name, stop.code)
+        print("JAX IMPORTED" if "jax" in sys.modules else "no jax")
+    """)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     seconds = time.perf_counter() - start
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("no jax"), proc.stdout[-300:]
-    assert seconds < 1.0, f"jaxcnn train --help took {seconds:.2f} s"
-    for command in ("train", "predict", "evaluate", "compare", "scale", "plan", "bench"):
-        parser = __import__(f"jaxcnn.commands.{command}", fromlist=["parse_flags"])
-        with pytest.raises(SystemExit):
-            parser.parse_flags(["--help"])
-    parser = train_command.parser()
-    formatter = parser._get_formatter()
-    for action in parser._actions:
-        if action.option_strings and action.dest != "help":
-            assert "default" in formatter._get_help_string(action).lower(), action.option_strings
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("no jax"), (proc.stdout[-40:], proc.stderr[-300:])
+    assert seconds < 1.0, f"every jaxcnn COMMAND --help took {seconds:.2f} s"
+    for name in COMMANDS:
+        assert f"usage: jaxcnn {name} " in proc.stdout and f"exit {name} 0" in proc.stdout, name
+    for name in COMMANDS:
+        parser = _parser_of(name, monkeypatch)
+        formatter = parser._get_formatter()
+        flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+        assert flags, name
+        for action in flags:
+            text = formatter._get_help_string(action)
+            assert "default" in text.lower() or text.endswith("(required)"), (name, action.option_strings, text)
 
 
 def test_the_layout_names_flags_list_are_the_layouts():
