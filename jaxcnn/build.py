@@ -63,8 +63,9 @@ def build_program(
         microbatches=microbatches,
     )  # fmt: skip
     spec = ProgramSpec(
-        model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
-        with_eval, with_init, update, compiler_options,
+        model_config=model_config, optim_config=optim_config, layout=layout, mesh=mesh, image_shape=image_shape,
+        batch_size=batch_size, total_steps=total_steps, seed=seed, eval_batch_size=eval_batch_size,
+        with_eval=with_eval, with_init=with_init, update=update, compiler_options=compiler_options,
     )  # fmt: skip
     if layout.stage_axis:
         if isinstance(model_config, CustomModel):

@@ -27,10 +27,11 @@ from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import ParamPlacement
 
 
-class ProgramSpec(NamedTuple):
+@dataclass(frozen=True)
+class ProgramSpec:
     """What to compile: the arguments of `jaxcnn.build.build_program`, checked there."""
 
-    model_config: ModelConfig
+    model_config: ModelConfig  # or a jaxcnn.models.CustomModel
     optim_config: OptimConfig
     layout: Layout
     mesh: Mesh

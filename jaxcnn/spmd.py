@@ -46,11 +46,11 @@ from jaxcnn.steps import (
 
 def build_spmd_program(spec: ProgramSpec) -> Program:
     """Shapes -> shardings -> compiled init, train and eval steps."""
-    (model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
-     with_eval, with_init, update, compiler_options) = spec  # fmt: skip
+    layout, mesh, image_shape, seed, update = spec.layout, spec.mesh, spec.image_shape, spec.seed, spec.update
+    batch_size, eval_batch_size = spec.batch_size, spec.eval_batch_size
     platform = mesh.devices.flat[0].platform
-    model_config = resolve_kernels(model_config, platform)
-    tx = make_optimizer(optim_config, total_steps)
+    model_config = resolve_kernels(spec.model_config, platform)
+    tx = make_optimizer(spec.optim_config, spec.total_steps)
     plan = plan_updates(update, layout, mesh)
     replicas = plan.groups if update.local else 0
 
@@ -119,7 +119,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
             jax.jit(average_replicas, in_shardings=(state_shardings,), out_shardings=state_shardings, donate_argnums=0),
             abstract_state,
         )
-    if with_eval:
+    if spec.with_eval:
         eval_images = jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=image_sharding)
         eval_labels = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=vector_sharding)
         eval_mask = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=vector_sharding)
@@ -132,9 +132,11 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
             ),
             abstract_state, eval_images, eval_labels, eval_mask,
         )  # fmt: skip
-    if with_init:
+    if spec.with_init:
         compilation.lower("init", jax.jit(init, out_shardings=state_shardings))
-    step_options = platform_choices.step_compiler_options(platform) if compiler_options is None else compiler_options
+    step_options = (
+        platform_choices.step_compiler_options(platform) if spec.compiler_options is None else spec.compiler_options
+    )
     compiled = compilation.compile({"init": platform_choices.init_compiler_options(platform)}, default=step_options)
     lower_seconds = time.perf_counter() - start - compilation.seconds
 

@@ -48,17 +48,17 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     """Per-stage programs on the stages' sub-meshes, run by the GPipe schedule (sizes
     validated by jaxcnn.build; `stage_split` None: balanced by FLOPs)."""
     # a pipeline always compiles init, and has no update rule but its micro-batches (jaxcnn.build checks)
-    (model_config, optim_config, layout, mesh, image_shape, batch_size, total_steps, seed, eval_batch_size,
-     with_eval, _, _, compiler_options) = spec  # fmt: skip
+    layout, mesh, image_shape, seed = spec.layout, spec.mesh, spec.image_shape, spec.seed
+    batch_size, eval_batch_size, with_eval = spec.batch_size, spec.eval_batch_size, spec.with_eval
     platform = mesh.devices.flat[0].platform
-    model_config = resolve_kernels(model_config, platform)
+    model_config = resolve_kernels(spec.model_config, platform)
     num_stages = mesh.shape[layout.stage_axis]
     groups = stage_groups(model_config, image_shape, num_stages, stage_split)
     m = microbatches
     micro = batch_size // m
     meshes = sub_meshes(mesh, layout.stage_axis)
     data_ways = math.prod(meshes[0].shape.values())
-    tx = make_optimizer(optim_config, total_steps)
+    tx = make_optimizer(spec.optim_config, spec.total_steps)
     start = time.perf_counter()
 
     def stage_module(s: int) -> Stage:
@@ -230,7 +230,9 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         lowered["tail"] = jax.jit(eval_loss, out_shardings=(rep[-1], rep[-1], rep[-1])).lower(logits_sds, vec, fvec)
     init_options = platform_choices.init_compiler_options(platform)
     options = {key: init_options for key in lowered if isinstance(key, tuple) and key[1] == "init"}
-    step_options = platform_choices.step_compiler_options(platform) if compiler_options is None else compiler_options
+    step_options = (
+        platform_choices.step_compiler_options(platform) if spec.compiler_options is None else spec.compiler_options
+    )
     compilation = Compilation(platform)
     for key, low in lowered.items():  # lowered as the stages were built: their time is in the build's total
         compilation.add(key, low)
