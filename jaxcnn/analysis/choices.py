@@ -38,6 +38,7 @@ from jaxcnn.errors import UserError
 from jaxcnn.models import resolve_kernels
 
 RESULT = "platform choices worker: "
+XLA_CACHES = jax.config.jax_persistent_cache_enable_xla_caches  # JAX's default, put back after a measurement
 
 
 class Setup(NamedTuple):
@@ -98,9 +99,6 @@ def measure(setup: Setup, variants: list[tuple[str, str]], steps: int, rounds: i
         if keep:
             _copy_executables(cache, keep)
     return {cv: figures[build] for cv, build in builds.items()}
-
-
-XLA_CACHES = jax.config.jax_persistent_cache_enable_xla_caches  # JAX's default, put back after a measurement
 
 
 def _isolated_cache(directory: str) -> None:
