@@ -11,14 +11,15 @@ rate, steps, final training loss, test accuracy.
 
 from __future__ import annotations
 
-from jaxcnn import cli, plots, results
+from jaxcnn import plots, results
 from jaxcnn.build import build_programs
+from jaxcnn.commands import cli
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import load_csv
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
 from jaxcnn.optim import optim_for_batch
-from jaxcnn.sharding import build_mesh, format_mesh
+from jaxcnn.sharding import format_mesh
 
 PROG = "batch_scaling.py"
 COLUMNS = [
@@ -58,9 +59,8 @@ def main(argv=None) -> list[dict]:
     test_set = load_csv(args.test_data, num_classes=model_config.num_classes)
     if test_set.labels is None:
         raise UserError(f"{args.test_data} has no labels; give a labelled --test-data to measure accuracy")
-    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh)
+    layout, mesh = cli.mesh_from_flags(args)
     out, plot = cli.writable_outputs(args.out, args.plot)
-    mesh = build_mesh(mesh_shape)
 
     rows, runs = [], [(b, rule) for b in args.batches for rule in ("none", "linear")]
     for i, (batch, rule) in enumerate(runs, 1):
@@ -87,7 +87,7 @@ def main(argv=None) -> list[dict]:
                 "test_loss": outcome.final_eval.loss,
                 "warmup_steps": warmup,
                 "layout": layout.name,
-                "mesh": format_mesh(mesh_shape),
+                "mesh": format_mesh(dict(mesh.shape)),
                 "optimizer": args.optimizer,
             }
         )

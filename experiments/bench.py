@@ -1,6 +1,6 @@
 """`jaxcnn bench` under its old name: benchmark one train step (see --help)."""
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
 from jaxcnn.commands.bench import PROG, main
 
 if __name__ == "__main__":

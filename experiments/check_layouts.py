@@ -42,11 +42,12 @@ import jax
 import numpy as np
 import optax
 
-from jaxcnn import cli, results
+from jaxcnn import results
 from jaxcnn.analysis.hlo import KINDS
 from jaxcnn.analysis.lint import lint_program
 from jaxcnn.analysis.measure import stage_options
 from jaxcnn.build import build_program
+from jaxcnn.commands import cli
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
 from jaxcnn.data import Dataset, batch_indices, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
@@ -186,7 +187,7 @@ def without_momentum(state):
 
 def probe(program, state, images: np.ndarray, labels: np.ndarray) -> tuple[float, list[np.ndarray]]:
     """(loss, (1 - b1) x gradient) of one step of `program` from host `state`, read back from Adam's first moment."""
-    placed = program.place_batch(images, labels)
+    placed = program.train_input.place(images, labels)
     after, metrics = program.train_step(
         jax.device_put(_host_copy(without_momentum(state)), program.state_shardings), *placed
     )
@@ -213,7 +214,7 @@ def step_by_step(
         loss_diffs.append(abs(layout_loss - loss) / abs(loss))
         largest = max(float(np.abs(g).max()) for g in expected)
         grad_diffs.append(max(float(np.abs(a - b).max()) for a, b in zip(got, expected, strict=True)) / largest)
-        state, _ = single.train_step(jax.device_put(before, single.state_shardings), *single.place_batch(*batch))
+        state, _ = single.train_step(jax.device_put(before, single.state_shardings), *single.train_input.place(*batch))
     return loss_diffs, grad_diffs
 
 

@@ -80,7 +80,7 @@ from typing import NamedTuple
 
 import jax
 
-from jaxcnn import cli, results
+from jaxcnn import results
 from jaxcnn.analysis.baselines import flops_of, peak_flops
 from jaxcnn.analysis.measure import interleaved, random_batch, timing_program, warm_stepper
 from jaxcnn.analysis.torch_twin import (
@@ -91,6 +91,7 @@ from jaxcnn.analysis.torch_twin import (
     torch_model,
     torch_setup,
 )
+from jaxcnn.commands import cli
 from jaxcnn.compiling import all_cached
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
@@ -156,7 +157,7 @@ def _jaxcnn_stepper(config, image_shape, batch, images, labels, layout, mesh):
 
 def _first_steps_seconds(program, images, labels) -> float:
     """Seconds of a fresh state's first FIRST_STEPS steps, the last one waited for."""
-    x, y = program.place_batch(images, labels)
+    x, y = program.train_input.place(images, labels)
     state = jax.block_until_ready(program.init())
     start = time.perf_counter()
     for _ in range(FIRST_STEPS):

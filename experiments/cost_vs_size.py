@@ -33,7 +33,8 @@ import time
 
 import numpy as np
 
-from jaxcnn import cli, plots, results
+from jaxcnn import plots, results
+from jaxcnn.commands import cli
 from jaxcnn.config import DEFAULT_MODEL, DTYPES, RESNETS, STEMS, ModelConfig
 from jaxcnn.errors import UserError
 
@@ -120,7 +121,7 @@ def step_timer(program, images, labels):
     """One warm-up step now; then each call times one more step (state carried along)."""
     import jax
 
-    x, y = program.place_batch(images, labels)
+    x, y = program.train_input.place(images, labels)
     state = [program.init()]
     state[0], metrics = program.train_step(state[0], x, y)
     jax.block_until_ready(metrics)

@@ -26,17 +26,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import jax
-
-from jaxcnn import cli, plots, results
+from jaxcnn import plots, results
 from jaxcnn.analysis.verdicts import INPUT_BOUND
 from jaxcnn.build import build_program
+from jaxcnn.commands import cli
 from jaxcnn.config import OptimConfig, TrainConfig
-from jaxcnn.data import Feed, Loader, Step, load_image_folder, load_named, synthetic_dataset
+from jaxcnn.data import Loader, load_image_folder, load_named, synthetic_dataset
 from jaxcnn.data.folders import parse_image_size, write_image_folder
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
-from jaxcnn.sharding import build_mesh, get_layout, parse_mesh, quiet_fallbacks, resolve_mesh, simulate_cpu_devices
+from jaxcnn.sharding import quiet_fallbacks
+from jaxcnn.sharding.placement import BatchPlacement
 
 PROG = "input_bound.py"
 COLUMNS = [
@@ -84,10 +84,10 @@ def jpeg_folder(args) -> Path:
     return folder
 
 
-def decode_rate(loader: Loader, batch: int, steps: int) -> float:
-    """Images/s through the pipeline alone (no training), after its first batch."""
-    feed = Feed(batch, None, slice(0, batch))
-    batches = loader.batches([Step(0, i, feed) for i in range(steps)], seed=0)
+def decode_rate(loader: Loader, placement: BatchPlacement, steps: int) -> float:
+    """Images/s through the pipeline alone (read, decoded, placed; no training), after its
+    first batch."""
+    batches = loader.batches([steps], [placement], seed=0)
     try:
         batches.next()  # the workers starting
         start = time.perf_counter()
@@ -96,7 +96,7 @@ def decode_rate(loader: Loader, batch: int, steps: int) -> float:
         seconds = time.perf_counter() - start
     finally:
         batches.close()
-    return (steps - 1) * batch / seconds
+    return (steps - 1) * placement.batch_size / seconds
 
 
 def main(argv=None) -> list[dict]:
@@ -106,10 +106,7 @@ def main(argv=None) -> list[dict]:
     out, plot = cli.writable_outputs(args.out, args.plot or None)
     size = parse_image_size(args.image_size)
     files = load_image_folder(jpeg_folder(args), channels=3, image_size=size)
-    layout = get_layout(args.layout)
-    if args.host_devices:
-        simulate_cpu_devices(args.host_devices)
-    mesh = build_mesh(resolve_mesh(parse_mesh(args.mesh or layout.default_mesh), len(jax.devices())))
+    layout, mesh = cli.mesh_from_flags(args)
     model_config = cli.model_from_flags(args)
     shape = (*size, 3)
     with quiet_fallbacks():
@@ -124,7 +121,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for name, data, workers in [*(("jpeg folder", files, w) for w in args.workers), ("in memory", in_memory, 0)]:
         loader = Loader(data, workers=workers)
-        decoded = decode_rate(loader, args.batch_size, min(args.steps, 12)) if name == "jpeg folder" else None
+        decoded = decode_rate(loader, program.train_input, min(args.steps, 12)) if name == "jpeg folder" else None
         outcome = fit(program, program.init(), loader, None, config, progress=False)
         stall = outcome.input_wait_fraction
         rows.append({

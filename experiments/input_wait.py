@@ -18,17 +18,17 @@ from __future__ import annotations
 import statistics
 import time
 
-import jax
 import numpy as np
 
-from jaxcnn import cli, results
+from jaxcnn import results
 from jaxcnn.analysis.measure import time_steps
 from jaxcnn.build import build_program
+from jaxcnn.commands import cli
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import Loader, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
-from jaxcnn.sharding import build_mesh, get_layout, parse_mesh, quiet_fallbacks, resolve_mesh, simulate_cpu_devices
+from jaxcnn.sharding import quiet_fallbacks
 
 PROG = "input_wait.py"
 COLUMNS = [
@@ -72,11 +72,7 @@ def main(argv=None) -> list[dict]:
     if args.steps < 2 or args.batch_size < 1 or min(args.delays_ms, default=-1) < 0:
         raise UserError("--steps must be >= 2, --batch-size >= 1 and --delays-ms non-negative")
     cli.writable_outputs(args.out)
-    layout = get_layout(args.layout)
-    mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
-    if args.host_devices:
-        simulate_cpu_devices(args.host_devices)
-    mesh = build_mesh(resolve_mesh(mesh_shape, len(jax.devices())))
+    layout, mesh = cli.mesh_from_flags(args)
     model_config = cli.model_from_flags(args)
     shape = parse_image_shape(args.synthetic)
     data = synthetic_dataset(shape, args.batch_size * args.steps, model_config.num_classes, 0)

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from jaxcnn import cli, platform_choices, results
+from jaxcnn import platform_choices, results
+from jaxcnn.commands import cli
 from jaxcnn.config import DEFAULT_MODEL, DTYPES, ModelConfig
 from jaxcnn.data import parse_image_shape
 from jaxcnn.errors import UserError

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxcnn import cli, results
+from jaxcnn import results
 from jaxcnn.analysis.measure import SIZES as TIMING_SIZES
+from jaxcnn.commands import cli
 from jaxcnn.compiling import compile_with
 from jaxcnn.config import ModelConfig
 from jaxcnn.layers import _pool_with_choice, max_pool_2x2

@@ -16,9 +16,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from jaxcnn import cli, results
+from jaxcnn import results
 from jaxcnn.analysis.measure import SIZES, random_batch, timing_program
 from jaxcnn.analysis.profiling import profile_step
+from jaxcnn.commands import cli
 from jaxcnn.config import DEFAULT_MODEL, DTYPES, ModelConfig
 from jaxcnn.errors import UserError
 from jaxcnn.sharding import simulate_cpu_devices

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import statistics
 
-import jax
-
-from jaxcnn import cli, results
+from jaxcnn import results
 from jaxcnn.analysis.measure import random_batch, time_steps
 from jaxcnn.build import build_program
+from jaxcnn.commands import cli
 from jaxcnn.config import OptimConfig, TrainConfig, epoch_steps
 from jaxcnn.data import Loader, load_named
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
-from jaxcnn.run import input_workers
-from jaxcnn.sharding import build_mesh, get_layout, parse_mesh, quiet_fallbacks, resolve_mesh, simulate_cpu_devices
+from jaxcnn.run_config import DataConfig
+from jaxcnn.sharding import quiet_fallbacks
 
 PROG = "real_data_speed.py"
 COLUMNS = [
@@ -62,16 +61,12 @@ def main(argv=None) -> list[dict]:
         raise UserError("--batch-size and --rounds must be positive and --max-steps at least 3")
     (out,) = cli.writable_outputs(args.out)
     real, _ = load_named(args.dataset, args.data_dir, args.download)
-    workers = input_workers(args.input_workers, real)
+    workers = DataConfig(input_workers=args.input_workers).workers_for(real.in_memory)
     train = TrainConfig(batch_size=args.batch_size, epochs=1, max_steps=args.max_steps)
     steps = sum(epoch_steps(len(real), train))
     model = cli.model_from_flags(args)
     images, labels = random_batch(real.image_shape, args.batch_size, model.num_classes)
-    layout = get_layout(args.layout)
-    if args.host_devices:
-        simulate_cpu_devices(args.host_devices)
-    shape = parse_mesh(args.mesh or layout.default_mesh)  # -1 fills the devices; a fixed mesh may use fewer
-    mesh = build_mesh(resolve_mesh(shape, len(jax.devices())) if -1 in shape.values() else shape)
+    layout, mesh = cli.mesh_from_flags(args)
     with quiet_fallbacks():
         program = build_program(
             model, OptimConfig(), layout, mesh, real.image_shape, args.batch_size, steps, with_eval=False

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcnn import cli, plots, results
+from jaxcnn import plots, results
 from jaxcnn.analysis.measure import measure_layout
+from jaxcnn.commands import cli
 from jaxcnn.config import REMAT_POLICIES
 from jaxcnn.data import parse_image_shape
 from jaxcnn.errors import UserError
@@ -48,7 +49,8 @@ def main(argv=None) -> list[dict]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     configs = [dataclasses.replace(base, remat=p) for p in policies]  # bad names fail here, before compiling
     image_shape = parse_image_shape(args.synthetic)
-    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh)
+    layout, mesh = cli.mesh_from_flags(args)
+    mesh_shape = dict(mesh.shape)
     out, plot = cli.writable_outputs(args.out, args.plot)
 
     rows = []

@@ -1,6 +1,6 @@
 """`jaxcnn scale` under its old name: the scaling report (see --help)."""
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
 from jaxcnn.commands.scale import PROG, main
 
 if __name__ == "__main__":

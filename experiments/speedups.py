@@ -19,9 +19,10 @@ import statistics
 import subprocess
 import sys
 
-from jaxcnn import cli, results
+from jaxcnn import results
 from jaxcnn.analysis.measure import SIZES as ALL_SIZES
 from jaxcnn.analysis.measure import random_batch, time_steps, timing_program
+from jaxcnn.commands import cli
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
 from jaxcnn.platform_choices import CPU_WITHOUT_YNN_CONVS, YNN_FUSION_TYPES

@@ -13,13 +13,14 @@ Writes the summary CSV, the per-step loss curves (<out>_curves.csv) and a PNG.
 
 from __future__ import annotations
 
-from jaxcnn import cli, plots, results
+from jaxcnn import plots, results
 from jaxcnn.analysis.hlo import collectives
 from jaxcnn.build import build_program
+from jaxcnn.commands import cli
 from jaxcnn.config import OptimConfig, TrainConfig, UpdateConfig, total_steps
 from jaxcnn.data import load_csv
 from jaxcnn.fit import fit
-from jaxcnn.sharding import build_mesh, format_mesh
+from jaxcnn.sharding import format_mesh
 
 PROG = "sync_vs_async.py"
 RULES = {
@@ -60,10 +61,9 @@ def main(argv=None) -> list[dict]:
     train_config = TrainConfig(batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
     train_set = load_csv(args.data, num_classes=model_config.num_classes)
     test_set = load_csv(args.test_data, num_classes=model_config.num_classes, need_labels=False)
-    layout, mesh_shape = cli.experiment_mesh(args.layout, args.mesh)
+    layout, mesh = cli.mesh_from_flags(args)
     out, plot = cli.writable_outputs(args.out, args.plot)
     curves_path = out.with_name(out.stem + "_curves.csv")
-    mesh = build_mesh(mesh_shape)
     steps = total_steps(len(train_set), train_config)
 
     rows, curves = [], {}
@@ -76,8 +76,8 @@ def main(argv=None) -> list[dict]:
         outcome = fit(program, program.init(), train_set, test_set, train_config, progress=False)
         step_bytes = sum(c.step_bytes for c in collectives(program.train_step.as_text(), mesh.size))
         average_bytes = (
-            sum(c.step_bytes for c in collectives(program.average_step.as_text(), mesh.size))
-            if program.average_step is not None
+            sum(c.step_bytes for c in collectives(program.averaging.average.as_text(), mesh.size))
+            if program.averaging is not None
             else 0
         )
         rows.append(
@@ -94,7 +94,7 @@ def main(argv=None) -> list[dict]:
                 "steps": outcome.steps,
                 "images_per_second": outcome.images_per_second,
                 "layout": layout.name,
-                "mesh": format_mesh(mesh_shape),
+                "mesh": format_mesh(dict(mesh.shape)),
                 "optimizer": args.optimizer,
                 "momentum": args.momentum,
             }
@@ -109,7 +109,7 @@ def main(argv=None) -> list[dict]:
     curve_rows = [{"rule": n, "step": k + 1, "loss": v} for n, losses in curves.items() for k, v in enumerate(losses)]
     results.write_csv(curves_path, curve_rows, ["rule", "step", "loss"])
     title = (
-        f"{model_config.name}, {layout.name} {format_mesh(mesh_shape)}, batch {args.batch_size}, "
+        f"{model_config.name}, {layout.name} {format_mesh(dict(mesh.shape))}, batch {args.batch_size}, "
         f"{args.optimizer} lr {args.lr:g} momentum {args.momentum:g}"
     )
     print("wrote", out, curves_path, plots.sync_plot(curves, rows, plot, title))

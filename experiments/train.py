@@ -1,6 +1,6 @@
 """`jaxcnn train` under its old name: train a CNN under a layout and mesh (see --help)."""
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
 from jaxcnn.commands.train import PROG, main
 
 if __name__ == "__main__":

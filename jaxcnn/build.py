@@ -12,7 +12,7 @@ from __future__ import annotations
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig, total_steps
+from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig, check_layout_options, total_steps
 from jaxcnn.errors import UserError
 from jaxcnn.models import CustomModel, build_model
 from jaxcnn.optim import optim_for_batch
@@ -54,7 +54,7 @@ def build_program(
     jaxcnn's XLA options for the steps (None: jaxcnn.compiling's for the platform)."""
     eval_batch_size = eval_batch_size or batch_size
     update = update or UpdateConfig()
-    check_layout_options(layout, update, microbatches, stage_split)
+    check_layout_options(bool(layout.stage_axis), update, microbatches, stage_split)
     dims = ParallelDims(layout, dict(mesh.shape))
     if layout.stage_axis:
         microbatches = microbatches or default_microbatches(batch_size, dims.stages)
@@ -75,19 +75,6 @@ def build_program(
             )
         return build_pipeline_program(spec, microbatches, stage_split)
     return build_spmd_program(spec)
-
-
-def check_layout_options(
-    layout: Layout, update: UpdateConfig, microbatches: int | None, stage_split: tuple[int, ...] | None
-) -> None:
-    """The options that apply to the pipeline only, or to every layout but it."""
-    if layout.stage_axis and update != UpdateConfig():
-        raise UserError(
-            "--grad-accum, --sync, --staleness and --skip-nonfinite do not apply to --layout pipeline "
-            "(its micro-batches already accumulate: use --microbatches)"
-        )
-    if not layout.stage_axis and (microbatches or stage_split):
-        raise UserError("--microbatches and --stage-split apply to --layout pipeline only")
 
 
 def build_programs(

@@ -178,7 +178,7 @@ class OptimConfig:
         if self.schedule not in SCHEDULES:
             raise UserError(f"unknown --schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
         if not self.learning_rate > 0:
-            raise UserError(f"--lr must be positive, got {self.learning_rate}")
+            raise UserError(f"--learning-rate must be positive, got {self.learning_rate}")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.weight_decay < 0 or not 0 <= self.momentum < 1:
@@ -233,6 +233,7 @@ class TrainConfig:
     batch_schedule: tuple[tuple[int, int], ...] = ()
     lr_scaling: str = "none"  # "linear": lr x batch / base_batch, warmup from lr (Goyal et al. 2017)
     base_batch: int | None = None  # the batch the base learning rate was tuned for
+    auto_batch: str | None = None  # "2GiB": the largest batch whose compiled step fits this per device
 
     def __post_init__(self):
         if self.batch_schedule:
@@ -248,6 +249,10 @@ class TrainConfig:
             raise UserError("--lr-scaling linear needs --base-batch B0: the batch size --lr was tuned for")
         if self.base_batch is not None and self.base_batch < 1:
             raise UserError(f"--base-batch must be a positive integer, got {self.base_batch}")
+        if self.auto_batch is not None:
+            parse_bytes(self.auto_batch)
+            if self.batch_schedule:
+                raise UserError("--auto-batch picks one batch size; drop it or --batch-schedule")
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be a positive integer, got {self.batch_size}")
         if self.epochs < 1:
@@ -262,6 +267,23 @@ class TrainConfig:
     def batch_sizes(self) -> tuple[int, ...]:
         """Every global batch the run uses, in order (one compiled program each)."""
         return tuple(dict.fromkeys(b for _, b in self.batch_schedule)) or (self.batch_size,)
+
+    @property
+    def auto_batch_bytes(self) -> float | None:
+        return parse_bytes(self.auto_batch) if self.auto_batch else None
+
+
+def check_layout_options(
+    pipeline: bool, update: UpdateConfig, microbatches: int | None, stage_split: tuple[int, ...] | None
+) -> None:
+    """The options that apply to the pipeline only, or to every layout but it."""
+    if pipeline and update != UpdateConfig():
+        raise UserError(
+            "--grad-accum, --sync, --staleness and --skip-nonfinite do not apply to --layout pipeline "
+            "(its micro-batches already accumulate: use --microbatches)"
+        )
+    if not pipeline and (microbatches or stage_split):
+        raise UserError("--microbatches and --stage-split apply to --layout pipeline only")
 
 
 def epoch_steps(train_size: int, config: TrainConfig) -> list[int]:

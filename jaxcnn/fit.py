@@ -1,4 +1,4 @@
-"""The fit loop: train for the planned steps, evaluate after every epoch, checkpoint,
+"""The fit loop: train for the run's steps, evaluate after every epoch, checkpoint,
 record what happened.
 
     programs = build_programs(...)                     # jaxcnn.build: one per batch size
@@ -6,7 +6,8 @@ record what happened.
     result = fit(programs, state, Loader(train_set), test_set, train_config)
 
 Batches come from the data package's `Loader` (a grain pipeline over the whole run: order,
-read, augment, prefetch); the loop places them, steps, collects metrics and keeps the training log.
+read, augment, prefetch), told once how each epoch's program takes its batch and handing
+each over placed on the devices; the loop steps, collects metrics and keeps the training log.
 Progress is a bar on a terminal and one line per epoch in a log. Under `interrupt_requests`,
 a Ctrl-C stops the run after the step in flight: the state is saved (`Interrupted`) and the
 run can continue from it exactly; a second Ctrl-C exits at once.
@@ -31,9 +32,10 @@ from tqdm.auto import tqdm
 
 from jaxcnn.checkpoint import state_fingerprint
 from jaxcnn.config import DIVERGENCE_FACTOR, TrainConfig, epoch_steps
-from jaxcnn.data import Batches, Dataset, Loader, Schedule, eval_batches, to_global
+from jaxcnn.data import Batches, Dataset, Loader, eval_batches
 from jaxcnn.errors import UserError
 from jaxcnn.program import Program
+from jaxcnn.resume import Resume, epoch_sizes
 
 
 @dataclass
@@ -46,11 +48,10 @@ class Evaluation:
 def evaluate(program: Program, state, dataset: Dataset) -> Evaluation:
     loss_sum = correct_sum = 0.0
     predictions = []
-    for batch in eval_batches(dataset, program.eval_batch_size):
-        arrays = [to_global(a, s) for a, s in zip(batch, program.eval_shardings, strict=True)]
-        loss, correct, predicted = program.eval_step(state, *arrays)
+    for images, labels, mask in eval_batches(dataset, program.eval_input.batch_size):
+        loss, correct, predicted = program.eval_step(state, *program.eval_input.place(images, labels, mask))
         loss_sum, correct_sum = loss_sum + float(loss), correct_sum + float(correct)
-        predictions.append(np.asarray(predicted)[batch[2] > 0])
+        predictions.append(np.asarray(predicted)[mask > 0])
     predictions = np.concatenate(predictions)
     if dataset.labels is None:
         return Evaluation(None, None, predictions)
@@ -115,75 +116,6 @@ def interrupt_requests(enabled: bool) -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-@dataclass
-class Resume:
-    """Where a restored run continues: its step and what it had recorded so far."""
-
-    step: int
-    loss_history: list[float]
-    accuracy_history: list[float]
-    epochs: list[dict]
-    skipped_steps: int = 0
-    loader: dict | None = None  # the loader's position (Batches.position); None: from the step
-    plan: list[list[int]] | None = None  # [steps, global batch] per epoch, and the seed, of the run
-    seed: int | None = None  # that saved it (None: a checkpoint from before they were recorded)
-
-    @classmethod
-    def from_record(cls, record: dict) -> Resume:
-        return cls(
-            record["step"], record["loss_history"], record["accuracy_history"], record["epochs"],
-            record.get("skipped_steps", 0), record.get("loader"), record.get("plan"), record.get("seed"),
-        )  # fmt: skip
-
-    def check_continues(self, train_size: int, config: TrainConfig) -> None:
-        """Refuse to resume under flags that change the steps already taken: the seed, the
-        steps and batch of every epoch before the one it stopped in, that epoch's batch, or
-        fewer steps in it than were taken (batch size, batch schedule, data, --max-steps).
-        Later steps may change (more --epochs or --max-steps). And a checkpoint whose loader
-        position is not its state's step is refused (checked here: before anything is written)."""
-        _loader_position(self)
-        if self.plan is None:  # saved before plans were recorded
-            return
-        plan = epoch_plan(epoch_steps(train_size, config), config)
-        ends = np.cumsum([count for count, _ in self.plan])
-        k = int(np.searchsorted(ends, self.step))  # the epoch the saved step falls in
-        taken = self.step - (int(ends[k - 1]) if k else 0)  # steps of it already taken
-        same = (
-            self.seed == config.seed and k < len(plan) and plan[:k] == self.plan[:k]
-            and plan[k][1] == self.plan[k][1] and plan[k][0] >= taken
-        )  # fmt: skip
-        if not same:
-            raise UserError(
-                f"the saved state (step {self.step}) was trained with other steps per epoch, batch or seed than "
-                "these flags give: resume with the flags it was saved with (its run's config.json), "
-                "or start a new --run-name"
-            )
-
-    def rows(self, plan: list[int], config: TrainConfig) -> list[dict]:
-        """The epoch rows of a restored run, one for every epoch it had finished. Checkpoints
-        saved at an epoch's last step by older versions of jaxcnn lack that epoch's
-        row: it is rebuilt from the loss and accuracy histories (test figures and timings,
-        which cannot be rebuilt, are None)."""
-        rows, recorded, first = [], {r["epoch"]: r for r in self.epochs}, 0
-        for epoch, count in enumerate(plan):
-            if first + count > self.step:
-                break
-            rows.append(recorded.get(epoch + 1) or {
-                "epoch": epoch + 1, "step": first + count, "global_batch_size": config.batch_for_epoch(epoch),
-                "train_loss": float(np.mean(self.loss_history[first : first + count])),
-                "train_accuracy": float(np.mean(self.accuracy_history[first : first + count])),
-                "test_loss": None, "test_accuracy": None, "epoch_seconds": None, "images_per_second": None,
-                "input_wait_fraction": None,
-            })  # fmt: skip
-            first += count
-        return rows
-
-
-def epoch_plan(steps: list[int], config: TrainConfig) -> list[list[int]]:
-    """[optimizer steps, global batch] of each epoch the run trains (`steps`: epoch_steps')."""
-    return [[count, config.batch_for_epoch(epoch)] for epoch, count in enumerate(steps)]
-
-
 def fit(
     programs: Program | dict[int, Program],
     state,
@@ -199,7 +131,7 @@ def fit(
     stop_requested: Callable[[], bool] = lambda: False,
     interrupt_saves: Sequence = (),
 ) -> FitResult:
-    """Train for the planned steps, evaluating on `test_set` after every epoch.
+    """Train for the run's steps, evaluating on `test_set` after every epoch.
 
     `programs` maps each global batch of `config.batch_sizes` to its program (one compile
     per size); a single program is a run of one batch size. `train` is a Loader, or a
@@ -215,19 +147,18 @@ def fit(
     if not isinstance(programs, dict):
         programs = {programs.batch_size: programs}
     loader = train if isinstance(train, Loader) else Loader(train)
-    plan = epoch_steps(len(loader), config)
-    training_log = _TrainingLog(resume or Resume(0, [], [], []), plan, config, checkpointer, skip_nonfinite)
-    total = sum(plan)
+    steps_per_epoch = epoch_steps(len(loader), config)
+    training_log = _TrainingLog(resume or Resume(0, [], [], []), steps_per_epoch, config, checkpointer, skip_nonfinite)
+    total = sum(steps_per_epoch)
     on_terminal = progress and sys.stdout.isatty()  # a bar to redraw; in a log, a line per epoch
     bar = tqdm(total=total, initial=training_log.step, unit="step", disable=not on_terminal, mininterval=0.1)
-    feeds = {size: program.feed for size, program in programs.items()}
-    steps = Schedule(plan, [feeds[config.batch_for_epoch(epoch)] for epoch in range(len(plan))])
-    batches = loader.batches(steps, config.seed, _loader_position(resume))
+    placements = [programs[config.batch_for_epoch(epoch)].train_input for epoch in range(len(steps_per_epoch))]
+    batches = loader.batches(steps_per_epoch, placements, config.seed, resume.loader_position() if resume else None)
     result = None
     first_in_epoch = 0
     try:
-        for epoch, count in enumerate(plan):
-            first_in_epoch += plan[epoch - 1] if epoch else 0
+        for epoch, count in enumerate(steps_per_epoch):
+            first_in_epoch += steps_per_epoch[epoch - 1] if epoch else 0
             if first_in_epoch + count <= training_log.step:
                 continue  # finished before the checkpoint this run resumed from
             program = programs[config.batch_for_epoch(epoch)]
@@ -246,7 +177,7 @@ def fit(
                 if on_terminal:
                     bar.set_postfix(epoch=epoch + 1, loss=f"{row['train_loss']:.4f}", test_acc=row["test_accuracy"])
                 elif progress:
-                    print(epoch_line(row, len(plan), total), flush=True)
+                    print(epoch_line(row, len(steps_per_epoch), total), flush=True)
             if row is None or (stop_requested() and training_log.step < total):  # asked to stop, in training or eval
                 saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
                 for target in saved:
@@ -259,7 +190,7 @@ def fit(
     training_log.input_startup_seconds = batches.startup_seconds
     bar.close()
     if result is None and test_set is not None:  # resumed at the very end: nothing left to train
-        result = evaluate(programs[config.batch_for_epoch(len(plan) - 1)], state, test_set)
+        result = evaluate(programs[config.batch_for_epoch(len(steps_per_epoch) - 1)], state, test_set)
     return training_log.result(state, result)
 
 
@@ -284,20 +215,6 @@ def epoch_line(row: dict, epochs: int, total_steps: int) -> str:
     )  # fmt: skip
 
 
-def _loader_position(resume: Resume | None) -> dict | None:
-    """Where a restored run's loader continues: the position its checkpoint saved (from the
-    step, for checkpoints made before the loader saved one)."""
-    if resume is None:
-        return None
-    position = resume.loader or {"next_step": resume.step}
-    if position["next_step"] != resume.step:
-        raise UserError(
-            f"the checkpoint's loader stands at step {position['next_step']} but its state at step {resume.step}; "
-            "the checkpoint is inconsistent: resume from an earlier one"
-        )
-    return position
-
-
 def _train_epoch(
     program: Program,
     state,
@@ -311,22 +228,21 @@ def _train_epoch(
 ):
     """Run epoch `epoch`'s steps from where `training_log` stands; (new state, the epoch's row).
     The row is None when a stop was requested before the epoch's last step."""
-    batch, total = program.batch_size, sum(training_log.plan)
+    batch, total = program.batch_size, sum(training_log.steps_per_epoch)
     todo = first + count - training_log.step
     pending = []
     start = time.perf_counter()
     done = 0
     for _ in range(todo):
-        images, labels = program.place_rows(*batches.next())
-        state, step_metrics = program.train_step(state, images, labels)
-        if program.sync_every and ((training_log.step + 1) % program.sync_every == 0 or training_log.step + 1 == total):
-            state = program.average_step(state)  # local SGD: replicas meet (and at the end)
-        batches.dispatched(step_metrics["loss"])
+        state, step_metrics = program.train_step(state, *batches.next())
+        if program.averaging is not None:  # local SGD: the replicas meet when due
+            state = program.averaging.after_step(state, training_log.step + 1, total)
         pending.append(step_metrics)
         if training_log.images_seen == 0:  # one-off costs: keep them out of steady state
             jax.block_until_ready(state)
             training_log.first_step_finished = time.perf_counter()
             training_log.first_step_seconds = training_log.first_step_finished - start
+        batches.dispatched(step_metrics["loss"])  # and the next batch is placed while this step runs
         training_log.step += 1
         training_log.images_seen += batch
         done += 1
@@ -365,11 +281,18 @@ def _train_epoch(
 class _TrainingLog:
     """What the loop records: histories, epoch rows, timings, checkpoints saved."""
 
-    def __init__(self, resume: Resume, plan: list[int], config: TrainConfig, checkpointer, skip_nonfinite: bool):
-        self.plan, self.config, self.checkpointer, self.skip_nonfinite = plan, config, checkpointer, skip_nonfinite
+    def __init__(
+        self, resume: Resume, steps_per_epoch: list[int], config: TrainConfig, checkpointer, skip_nonfinite: bool
+    ):
+        self.steps_per_epoch, self.config, self.checkpointer, self.skip_nonfinite = (
+            steps_per_epoch,
+            config,
+            checkpointer,
+            skip_nonfinite,
+        )
         self.resumed_from = resume.step
         self.losses, self.accuracies = list(resume.loss_history), list(resume.accuracy_history)
-        self.rows = resume.rows(plan, config)
+        self.rows = resume.rows(steps_per_epoch, config)
         self.skipped, self.step, self.saved_at = resume.skipped_steps, resume.step, resume.step
         self.images_seen = 0
         self.train_seconds = self.stall_seconds = self.first_step_seconds = 0.0
@@ -406,7 +329,7 @@ class _TrainingLog:
         record = {
             "step": self.step, "loss_history": self.losses, "accuracy_history": self.accuracies, "epochs": self.rows,
             "skipped_steps": self.skipped, "fingerprint": self.fingerprint, "loader": batches.position(),
-            "plan": epoch_plan(self.plan, self.config), "seed": self.config.seed,
+            "epoch_sizes": epoch_sizes(self.steps_per_epoch, self.config), "seed": self.config.seed,
         }  # fmt: skip
         checkpointer.save(self.step, state, record)
         if checkpointer is self.checkpointer:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcnn.config import ModelConfig
-from jaxcnn.data import Dataset, eval_batches, to_global
+from jaxcnn.data import Dataset, eval_batches
 from jaxcnn.errors import UserError
 from jaxcnn.models import call
 from jaxcnn.saved_model import model_template, restore_model
@@ -33,6 +33,7 @@ from jaxcnn.sharding import ParallelDims
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import activation_layout, data_sharding
+from jaxcnn.sharding.placement import to_global
 
 
 @dataclass

@@ -2,29 +2,27 @@
 
     program = build_program(...)       # jaxcnn.build: dispatches on the layout
     state = program.init()
-    state, metrics = program.train_step(state, *program.place_batch(images, labels))
+    state, metrics = program.train_step(state, *program.train_input.place(images, labels))
 
 An SPMD layout (single, dp, fsdp, tp, hybrid, spatial, user tables) compiles to one program
 over the whole mesh (jaxcnn.spmd); the pipeline to one program per stage and kind, driven
 by the host (jaxcnn.pipeline). Both fill the same fields, so the fit loop, the scripts and
-the analysis never ask which one they hold: `stages` lists, per stage, the compiled
-programs one optimizer step runs and how often, which is all a cost reader needs.
+the analysis never ask which one they hold. A `Program` is what a run calls; its `anatomy`
+is what the tools that cost and check it read: `anatomy.stages` lists, per stage, the
+compiled programs one optimizer step runs and how often, which is all a cost reader needs.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxcnn.config import ModelConfig, OptimConfig, UpdateConfig
-from jaxcnn.data import Feed, process_rows, to_global
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import ParamPlacement
+from jaxcnn.sharding.placement import BatchPlacement
 
 
 @dataclass(frozen=True)
@@ -56,38 +54,45 @@ class CompiledPart(NamedTuple):
     takes_optimizer_state: bool = True  # False: the state stays resident beside it (a pipeline's forward)
 
 
-@dataclass
-class Program:
-    """Everything compiled for one (model, layout, mesh, batch size)."""
+@dataclass(frozen=True)
+class Anatomy:
+    """What a compiled program is made of, for the tools that cost and check it
+    (jaxcnn.analysis) and the pipeline's stage table; no step reads it."""
 
-    spec: ProgramSpec  # what was compiled: model, optimizer, layout, mesh, batch sizes
-    batch_shardings: tuple[NamedSharding, NamedSharding]  # train (images, labels)
-    eval_shardings: tuple[NamedSharding, NamedSharding, NamedSharding]  # (images, labels, mask)
+    stages: list[list[CompiledPart]]  # per stage (SPMD: one), what a train step runs
     placements: list[ParamPlacement]  # parameters, then model state (BN statistics); pipeline: "stage<s>/" paths
     compute_placements: list[ParamPlacement]  # parameters as used for compute (FSDP: gathered)
-    num_params: int
-    init: Any  # () -> state, each device creating its own shards; None when not compiled
-    train_step: Any  # (state, images, labels) -> (state, {"loss", "accuracy"[, "skipped"]})
-    eval_step: Any  # (state, images, labels, mask) -> (loss_sum, correct_sum, predictions); None without eval
-    compile_seconds: float  # XLA compiling every program (or reading the compile cache), wall clock
-    lower_seconds: float  # tracing and lowering every program before that, wall clock
-    stages: list[list[CompiledPart]]  # per stage (SPMD: one), what a train step runs
     stage_param_bytes: list[int]  # parameters + statistics per device, per stage
     stage_optimizer_bytes: list[int]
-    abstract_state: Any = None  # ShapeDtypeStructs with shardings: what a checkpoint restores into
-    state_shardings: Any = None
-    average_step: Any = None  # local SGD: compiled (state) -> state, replicas averaged
-    sync_every: int = 0  # local SGD: run average_step every this many steps (0: never)
-    batch_order: np.ndarray | None = None  # gradient accumulation: jaxcnn.steps.UpdatePlan.batch_order
     # pipeline: bytes per device per step sent across each stage boundary, and how many sends
     boundary_bytes: list[int] = field(default_factory=list)
     boundary_transfers: int = 0  # per boundary per step: M activations forward, M gradients back
     bubble_fraction: float = 0.0  # pipeline: share of each stage's time it idles
     microbatches: int = 1  # pipeline: micro-batches a step streams through the stages
     layer_groups: list[range] = field(default_factory=list)  # pipeline: the model's layers each stage holds
-    record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)
+
+
+@dataclass
+class Program:
+    """Everything compiled for one (model, layout, mesh, batch size): what a run calls,
+    then what its reports read."""
+
+    spec: ProgramSpec  # what was compiled: model, optimizer, layout, mesh, batch sizes
+    init: Any  # () -> state, each device creating its own shards; None when not compiled
+    train_step: Any  # (state, images, labels) -> (state, {"loss", "accuracy"[, "skipped"]})
+    eval_step: Any  # (state, images, labels, mask) -> (loss_sum, correct_sum, predictions); None without eval
+    train_input: BatchPlacement  # how train_step takes its batch: shapes, shardings, the examples' order
+    eval_input: BatchPlacement  # how eval_step takes its batch (images, labels, mask)
+    anatomy: Anatomy
+    num_params: int
+    compile_seconds: float  # XLA compiling every program (or reading the compile cache), wall clock
+    lower_seconds: float  # tracing and lowering every program before that, wall clock
+    abstract_state: Any = None  # ShapeDtypeStructs with shardings: what a checkpoint restores into
+    state_shardings: Any = None
+    averaging: Any = None  # local SGD: a jaxcnn.steps.ReplicaAveraging, run after each step; else None
     # (state) -> jaxcnn.saved_model.ModelVariables: the whole model's arrays by path, whatever the layout
     model_variables: Any = None
+    record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)
     description: str = ""  # printed before training (the pipeline's stage table)
     compile_timings: list = field(default_factory=list)  # jaxcnn.compiling.ProgramTiming per program
 
@@ -102,27 +107,3 @@ class Program:
     @property
     def batch_size(self) -> int:
         return self.spec.batch_size
-
-    @property
-    def eval_batch_size(self) -> int:
-        return self.spec.eval_batch_size
-
-    def place_batch(self, images: np.ndarray, labels: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """A host batch as the train step's global arrays (each process gives its rows)."""
-        if self.batch_order is not None:
-            images, labels = images[self.batch_order], labels[self.batch_order]
-        return to_global(images, self.batch_shardings[0]), to_global(labels, self.batch_shardings[1])
-
-    @functools.cached_property  # read every step by place_rows: worked out once
-    def feed(self) -> Feed:
-        """What the loader builds for this program: its batch size, order, and this process's rows."""
-        shapes = ((self.batch_size, *self.spec.image_shape), (self.batch_size,))
-        rows = process_rows(list(zip(self.batch_shardings, shapes, strict=True)))
-        return Feed(self.batch_size, self.batch_order, rows)
-
-    def place_rows(self, images: np.ndarray, labels: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """This process's rows of a batch (`feed.rows`, already in `batch_order`) as the global arrays."""
-        first = self.feed.rows.start
-        return tuple(
-            to_global(a, s, self.batch_size, first) for a, s in zip((images, labels), self.batch_shardings, strict=True)
-        )

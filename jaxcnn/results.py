@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,13 +31,6 @@ EPOCH_COLUMNS = [
     "images_per_second",
     "input_wait_fraction",
 ]
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]*")
-
-
-def check_run_name(name: str) -> str:
-    if not RUN_NAME.fullmatch(name):
-        raise UserError(f"--run-name {name!r} must be letters, digits, '.', '_', '-', '=' (no spaces or slashes)")
-    return name
 
 
 def ensure_writable_dir(path: str | Path, flag: str = "--results-dir") -> Path:

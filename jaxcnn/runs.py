@@ -1,7 +1,7 @@
 """The run directory: everything one training run leaves behind, in one place.
 
     runs/<name>/
-      config.json        every flag of the run: what `predict`, `evaluate` and `--resume` read
+      config.json        the run's RunConfig: what `predict`, `evaluate` and `--resume` read
       <name>.json, .csv  the result record and one row per epoch (jaxcnn.results)
       model/             the trained model, parameters and statistics (jaxcnn.saved_model)
       curves.png         loss and accuracy, per step and per epoch
@@ -15,7 +15,6 @@ says `--overwrite` (the old one is replaced) or `--resume` (it is continued).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import shutil
@@ -27,7 +26,8 @@ import numpy as np
 from tensorboardX import SummaryWriter
 
 from jaxcnn.errors import UserError
-from jaxcnn.results import check_run_name, write_json
+from jaxcnn.results import write_json
+from jaxcnn.run_config import RunConfig, check_run_name
 
 CONFIG = "config.json"
 MODEL = "model"
@@ -95,21 +95,17 @@ def undo_overwrite(path: Path) -> None:
         _aside(path).rename(path)
 
 
-def write_config(run_dir: Path, flags: argparse.Namespace) -> Path:
-    """Every flag of the run, as parsed: `--resume` and the commands read it back."""
-    return write_json(run_dir / CONFIG, dict(vars(flags)))
+def write_config(run_dir: Path, config: RunConfig) -> Path:
+    """The run's whole config: `--resume` and the commands read it back."""
+    return write_json(run_dir / CONFIG, config.to_json())
 
 
-def _tuples(value):
-    """JSON's lists back to the tuples the flags parse into (conv widths, batch schedules)."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
-
-
-def read_config(run_dir: Path) -> dict:
+def read_config(run_dir: Path) -> RunConfig:
     try:
-        return {key: _tuples(value) for key, value in json.loads((run_dir / CONFIG).read_text()).items()}
+        saved = json.loads((run_dir / CONFIG).read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read {run_dir / CONFIG} ({err}); is {run_dir} a run directory?") from None
+    return RunConfig.from_json(saved)
 
 
 @dataclass
@@ -117,7 +113,7 @@ class Run:
     """A finished run, as `predict` and `evaluate` read it."""
 
     directory: Path
-    flags: argparse.Namespace  # the training run's flags (config.json)
+    config: RunConfig  # the training run's (config.json)
     record: dict  # its result JSON
 
     @property
@@ -136,7 +132,7 @@ def open_run(path: str | Path) -> Run:
         raise UserError(f"run directory {path} not found; pass --run runs/<name>, a directory `jaxcnn train` wrote")
     if not (directory / CONFIG).is_file():
         raise UserError(f"{path} is not a run directory (no {CONFIG}); pass one `jaxcnn train` wrote")
-    flags = argparse.Namespace(**read_config(directory))
+    config = read_config(directory)
     if not (directory / MODEL).is_dir():
         if any(p.name.isdigit() for p in (directory / CHECKPOINTS).glob("*")):
             again = shlex.join(["jaxcnn", "train", "--resume", "--run-name", directory.name, "--results-dir",
@@ -153,7 +149,7 @@ def open_run(path: str | Path) -> Run:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read the run's result {record_path} ({err})") from None
-    return Run(directory, flags, record)
+    return Run(directory, config, record)
 
 
 class TensorBoardLog:

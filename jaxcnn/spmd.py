@@ -3,7 +3,7 @@
 Abstract shapes -> shardings from the layout's table -> AOT-compiled init, train and eval
 steps; nothing is allocated. `init` is `jit(init, out_shardings)`: each device creates
 its own shards, the model is never built on one device and scattered. The layout reaches
-the model only through these shardings and `activation_layout` (jaxcnn.steps).
+the model only through these shardings and `activation_layout` (jaxcnn.steps.gradients).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jaxcnn import platform_choices
 from jaxcnn.compiling import Compilation, kernel_record
 from jaxcnn.models import build_model, resolve_kernels
 from jaxcnn.optim import make_optimizer, optimizer_shardings
-from jaxcnn.program import CompiledPart, Program, ProgramSpec
+from jaxcnn.program import Anatomy, CompiledPart, Program, ProgramSpec
 from jaxcnn.saved_model import ModelVariables, flat_variables
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import (
@@ -30,17 +30,20 @@ from jaxcnn.sharding.partition import (
     place_variables,
     quiet_fallbacks,
 )
+from jaxcnn.sharding.placement import BatchPlacement
 from jaxcnn.steps import (
+    ReplicaAveraging,
     StepContext,
     TrainState,
     average_replicas,
     eval_step,
     evaluated_variables,
+    initial_history,
     make_train_step,
-    plan_updates,
-    replica_sharding,
+    replica_shardings,
     replicate,
     split_model,
+    update_rule,
 )
 
 
@@ -51,8 +54,8 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     platform = mesh.devices.flat[0].platform
     model_config = resolve_kernels(spec.model_config, platform)
     tx = make_optimizer(spec.optim_config, spec.total_steps)
-    plan = plan_updates(update, layout, mesh)
-    replicas = plan.groups if update.local else 0
+    rule = update_rule(update, layout, mesh)
+    replicas = rule.groups if update.local else 0
 
     def init() -> TrainState:
         _, params, model_state = split_model(build_model(model_config, image_shape, seed))
@@ -60,7 +63,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
         opt_state = tx.init(params)
         if replicas:  # local SGD: every replica starts from the same parameters
             params, model_state, opt_state = replicate((params, model_state, opt_state), replicas)
-        history = (params,) * update.staleness
+        history = initial_history(params, update.staleness)
         return TrainState(jnp.zeros((), jnp.int32), params, model_state, opt_state, rng, history)
 
     graphdef, abstract_params, abstract_stats = split_model(
@@ -79,8 +82,8 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     opt_shardings = optimizer_shardings(tx, jax.eval_shape(tx.init, abstract_params), param_shardings, mesh)
     grad_shardings = compute_shardings if compute_shardings is not None else param_shardings
     if replicas:  # each leaf gains a leading replica dim, split over the replica axes
-        param_shardings, stat_shardings, opt_shardings = jax.tree.map(
-            lambda s: replica_sharding(s, plan.groups_axes), (param_shardings, stat_shardings, opt_shardings)
+        param_shardings, stat_shardings, opt_shardings = replica_shardings(
+            (param_shardings, stat_shardings, opt_shardings), rule.groups_axes
         )
     state_shardings = TrainState(
         step=replicated,
@@ -100,8 +103,13 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     )
     images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sharding)
     labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=vector_sharding)
+    eval_input = BatchPlacement(
+        images=jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=image_sharding),
+        labels=jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=vector_sharding),
+        mask=jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=vector_sharding),
+    )
     context = StepContext(graphdef, tx, mesh, layout, compute_shardings)
-    train_step = make_train_step(context, plan, param_shardings, grad_shardings)
+    train_step = make_train_step(context, rule, param_shardings, grad_shardings)
     compilation = Compilation(platform)  # train first: on a GPU the others reuse its tuned kernels
     compilation.lower(
         "train",
@@ -120,9 +128,6 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
             abstract_state,
         )
     if spec.with_eval:
-        eval_images = jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=image_sharding)
-        eval_labels = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=vector_sharding)
-        eval_mask = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=vector_sharding)
         compilation.lower(
             "eval",
             jax.jit(
@@ -130,7 +135,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
                 in_shardings=(state_shardings, image_sharding, vector_sharding, vector_sharding),
                 out_shardings=(replicated, replicated, replicated),
             ),
-            abstract_state, eval_images, eval_labels, eval_mask,
+            abstract_state, *eval_input.arrays,
         )  # fmt: skip
     if spec.with_init:
         compilation.lower("init", jax.jit(init, out_shardings=state_shardings))
@@ -146,26 +151,26 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
 
     program = Program(
         spec=spec,
-        batch_shardings=(image_sharding, vector_sharding),
-        eval_shardings=(image_sharding, vector_sharding, vector_sharding),
-        placements=placements + stat_placements,
-        compute_placements=compute_placements,
-        num_params=sum(math.prod(p.shape) for p in placements),
         init=compiled.get("init"),
         train_step=compiled["train"],
         eval_step=compiled.get("eval"),
+        train_input=BatchPlacement(images=images, labels=labels, order=rule.batch_order(batch_size)),
+        eval_input=eval_input,
+        anatomy=Anatomy(
+            stages=[[CompiledPart("train", compiled["train"], 1, mesh.size)]],
+            placements=placements + stat_placements,
+            compute_placements=compute_placements,
+            stage_param_bytes=[bytes_per_device((abstract_state.params, abstract_state.model_state))],
+            stage_optimizer_bytes=[bytes_per_device(abstract_state.opt_state)],
+        ),
+        num_params=sum(math.prod(p.shape) for p in placements),
         compile_seconds=compilation.seconds,
         lower_seconds=lower_seconds,
-        compile_timings=compilation.timings,
-        stages=[[CompiledPart("train", compiled["train"], 1, mesh.size)]],
-        stage_param_bytes=[bytes_per_device((abstract_state.params, abstract_state.model_state))],
-        stage_optimizer_bytes=[bytes_per_device(abstract_state.opt_state)],
         abstract_state=abstract_state,
         state_shardings=state_shardings,
-        average_step=compiled.get("average"),
-        sync_every=update.sync_every if replicas else 0,
-        batch_order=plan.batch_order(batch_size),
+        averaging=ReplicaAveraging(compiled["average"], update.sync_every) if replicas else None,
         model_variables=model_variables,
+        compile_timings=compilation.timings,
     )
     program.record["kernels"] = kernel_record(model_config, step_options)
     return program

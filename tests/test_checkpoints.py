@@ -16,9 +16,9 @@ import pandas as pd
 import pytest
 from conftest import REPO, bundled_digits, load_train_module, write_folder
 
-from jaxcnn import cli
 from jaxcnn.build import build_program
 from jaxcnn.checkpoint import Checkpointer, arrays_equal
+from jaxcnn.commands import cli
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.sharding import build_mesh, get_layout
 

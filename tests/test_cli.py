@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from conftest import REPO, bundled_digits, load_train_module, write_digits_csv
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
 from jaxcnn.results import EPOCH_COLUMNS
 from jaxcnn.sharding import LAYOUTS
 
@@ -59,7 +59,7 @@ def _ragged(tmp_path):
 
 
 BAD_INPUT = {
-    "mesh product": (["--mesh", "data=3", "--host-devices", "8"], "needs 3 devices but 8 are in use"),
+    "mesh too big": (["--mesh", "data=16", "--host-devices", "8"], "needs 16 devices but 8 exist"),
     "unknown axis": (["--mesh", "rows=8"], "unknown mesh axis 'rows'"),
     "unknown layout": (["--layout", "zero3"], "unknown layout 'zero3'"),
     "batch not divisible": (
@@ -144,7 +144,7 @@ BAD_INPUT = {
     ),
     "process count without coordinator": (["--num-processes", "2"], "need --coordinator HOST:PORT"),
     # out-of-range numbers
-    "negative learning rate": (["--lr", "-1"], "--lr must be positive"),
+    "negative learning rate": (["--lr", "-1"], "--learning-rate must be positive"),
     "dropout of one": (["--dropout", "1"], "--dropout must be in [0, 1)"),
     "zero batch": (["--batch-size", "0"], "--batch-size must be a positive integer"),
     "zero max steps": (["--max-steps", "0"], "--max-steps must be a positive integer"),

@@ -23,7 +23,7 @@ def compiled(layout, mesh, model=TINY_PLAIN):
 
 
 def param_bytes(program):
-    return sum(int(np.prod(p.shape)) * 4 for p in program.placements)
+    return sum(int(np.prod(p.shape)) * 4 for p in program.anatomy.placements)
 
 
 def test_single_device_has_no_collectives():
@@ -38,13 +38,13 @@ def test_dp_one_fused_gradient_all_reduce_and_no_all_gather():
     assert grads.group_size == 8
     # every gradient travels in that one all-reduce, plus the loss and accuracy scalars
     assert grads.buffer_bytes == param_bytes(program) + 2 * 4
-    assert len([s for s in grads.shapes if s]) == len(program.placements)
+    assert len([s for s in grads.shapes if s]) == len(program.anatomy.placements)
 
 
 def test_fsdp_gathers_parameters_and_reduces_gradients_to_their_owners():
     program, found = compiled("fsdp", {"data": 8})
     kinds = kinds_seen(found)
-    sharded = [p for p in program.placements if "data" in tuple(p.spec)]
+    sharded = [p for p in program.anatomy.placements if "data" in tuple(p.spec)]
     assert {p.path for p in sharded} == {"blocks/1/conv/kernel", "dense/0/kernel"}  # >= 4 KiB: FSDP threshold
     gathered = {c.shapes[0] for c in found if c.kind == "all-gather"}
     for p in sharded:
@@ -63,7 +63,8 @@ def test_fsdp_gathers_parameters_and_reduces_gradients_to_their_owners():
     dp_program, _ = compiled("dp", {"data": 8})
     saved = sum(int(np.prod(p.shape)) * 4 * 7 // 8 for p in sharded)
     assert (
-        sum(p.bytes_per_device for p in dp_program.placements) - sum(p.bytes_per_device for p in program.placements)
+        sum(p.bytes_per_device for p in dp_program.anatomy.placements)
+        - sum(p.bytes_per_device for p in program.anatomy.placements)
         == saved
     )
 
@@ -78,7 +79,7 @@ def test_tp_column_row_pairs_all_reduce_partial_sums_never_all_gather_activation
     assert row_outputs and all(c.group_size == mesh["model"] for c in row_outputs)
     # with batch norm, the only gathers are of the replicated `norm` vectors
     bn_program, bn_found = compiled(layout, mesh, TINY_BN_DROPOUT)
-    roles = classify(bn_found, bn_program.placements, bn_program.mesh)
+    roles = classify(bn_found, bn_program.anatomy.placements, bn_program.mesh)
     gathers = [(c, r) for c, r in zip(bn_found, roles, strict=True) if c.kind == "all-gather"]
     assert gathers and all(role == "param" and len(c.shapes[0]) == 1 for c, role in gathers)
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import pytest
 from conftest import REPO
 
-from jaxcnn import cli, compile_cache
-from jaxcnn.commands import COMMANDS
+from jaxcnn import compile_cache
+from jaxcnn.commands import COMMANDS, cli
 from jaxcnn.compiling import Compilation
 from jaxcnn.errors import UserError
 

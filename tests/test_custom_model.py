@@ -48,7 +48,7 @@ def test_your_model_trains_under_a_layout_as_on_one_device(layout, mesh):
     losses, _, program = train_losses(get_layout(layout), mesh, MODEL, steps=STEPS)
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     assert reference[-1] < reference[0]  # it trains
-    split = {p.path: p.spec for p in program.placements if any(p.spec)}
+    split = {p.path: p.spec for p in program.anatomy.placements if any(p.spec)}
     if layout == "dp":
         assert not split  # replicated parameters
     else:  # the kernels' logical names reached the mesh

@@ -9,9 +9,9 @@ from conftest import REPO, load_script, write_digits_csv
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.data import Loader, eval_batches, load_csv, parse_image_shape, to_global, train_batches
+from jaxcnn.data import Loader, eval_batches, load_csv, parse_image_shape, train_batches
 from jaxcnn.errors import UserError
-from jaxcnn.sharding import build_mesh
+from jaxcnn.sharding import BatchPlacement, build_mesh, to_global
 
 
 def test_bundled_files_are_8x8_digits_scaled_to_unit_range():
@@ -118,11 +118,13 @@ def test_global_batch_is_sharded_over_data_axis():
     np.testing.assert_array_equal(jax.device_get(array), batch)
 
 
-def _steps(batch: int, epochs: int, per_epoch: int, rows: slice | None = None, order=None) -> list:
-    from jaxcnn.data import Feed, Step
-
-    feed = Feed(batch, order, rows or slice(0, batch))
-    return [Step(e, i, feed) for e in range(epochs) for i in range(per_epoch)]
+def _placement(batch: int, image_shape: tuple, devices: int = 8) -> BatchPlacement:
+    """Batches of `batch` examples split over a data axis of `devices` devices."""
+    sharding = NamedSharding(build_mesh({"data": devices}), P("data"))
+    return BatchPlacement(
+        images=jax.ShapeDtypeStruct((batch, *image_shape), np.float32, sharding=sharding),
+        labels=jax.ShapeDtypeStruct((batch,), np.int32, sharding=sharding),
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -130,14 +132,18 @@ def test_the_loader_gives_each_steps_examples_and_resumes_from_its_saved_positio
     from jaxcnn.data import Augment, batch_indices, synthetic_dataset
 
     data = synthetic_dataset((6, 6, 1), 40, 10, 0)
-    steps = _steps(8, epochs=3, per_epoch=5)  # prefetch runs across the epoch boundaries
+    epochs, placements = [5, 5, 5], [_placement(8, (6, 6, 1))] * 3  # prefetch runs across the epoch boundaries
     loader = Loader(data, augment=Augment(shift=1, flip=True), workers=workers)
-    batches = loader.batches(steps, seed=4)
-    got = [batches.next() for _ in range(7)]
+    batches = loader.batches(epochs, placements, seed=4)
+    got = []
+    for _ in range(7):
+        got.append(batches.next())
+        batches.dispatched(got[-1][1])  # the next batch is placed ahead, as in training
     position = batches.position()
-    rest = [batches.next() for _ in range(len(steps) - 7)]
+    rest = [batches.next() for _ in range(15 - 7)]
     batches.close()
     for k, (images, labels) in enumerate(got + rest):
+        assert images.sharding == placements[0].images.sharding and labels.sharding == placements[0].labels.sharding
         epoch, index = divmod(k, 5)
         examples = batch_indices(40, 8, epoch, 4)[index]
         np.testing.assert_array_equal(labels, data.labels[examples])
@@ -145,8 +151,9 @@ def test_the_loader_gives_each_steps_examples_and_resumes_from_its_saved_positio
         np.testing.assert_array_equal(images, Augment(shift=1, flip=True).apply(data.images[examples], draws))
     assert position == {"next_step": 7}
     for other_workers in (workers, 1 - min(workers, 1)):  # a restored run's loader, on as many workers or not
-        resumed = Loader(data, augment=Augment(shift=1, flip=True), workers=other_workers).batches(steps, 4, position)
-        again = [resumed.next() for _ in range(len(steps) - 7)]
+        resumed = Loader(data, augment=Augment(shift=1, flip=True), workers=other_workers)
+        resumed = resumed.batches(epochs, placements, 4, position)
+        again = [resumed.next() for _ in range(15 - 7)]
         resumed.close()
         for (a, b), (c, d) in zip(rest, again, strict=True):
             np.testing.assert_array_equal(a, c)
@@ -154,33 +161,30 @@ def test_the_loader_gives_each_steps_examples_and_resumes_from_its_saved_positio
 
 
 def test_the_schedule_is_the_list_of_steps_without_the_list():
-    from jaxcnn.data import Feed, Schedule, Step
+    from jaxcnn.data import Schedule, Step
 
-    small, large = Feed(8, None, slice(0, 8)), Feed(16, None, slice(0, 16))  # a batch schedule: 8, then 16
-    schedule = Schedule([3, 2, 2], [small, small, large])
-    listed = [Step(0, 0, small), Step(0, 1, small), Step(0, 2, small), Step(1, 0, small), Step(1, 1, small),
-              Step(2, 0, large), Step(2, 1, large)]  # fmt: skip
+    schedule = Schedule([3, 2, 2])
+    listed = [Step(0, 0), Step(0, 1), Step(0, 2), Step(1, 0), Step(1, 1), Step(2, 0), Step(2, 1)]
     assert len(schedule) == 7 and list(schedule) == listed
     with pytest.raises(IndexError):
         schedule[7]
-    assert len(Schedule([44] * 100_000, [small] * 100_000)) == 4_400_000  # no list of millions
+    assert len(Schedule([44] * 100_000)) == 4_400_000  # no list of millions
 
 
 def test_each_process_builds_only_its_rows_of_the_same_global_batch():
     """Two processes' rows (in the program's batch order) put together are the one
     process's batch: augmentation draws too, so the global batch does not depend on the
     process count."""
-    from jaxcnn.data import Augment, synthetic_dataset
+    from jaxcnn.data import Augment, Schedule, synthetic_dataset
+    from jaxcnn.data.loader import BuildBatch
+    from jaxcnn.sharding import BatchShare
 
     data = synthetic_dataset((5, 5, 1), 48, 10, 1)
     order = np.random.default_rng(0).permutation(16)  # e.g. gradient accumulation's
-    loader = Loader(data, augment=Augment(shift=2, flip=True))
 
-    def first_batches(rows):
-        batches = loader.batches(_steps(16, 1, 3, rows, order), seed=9)
-        got = [batches.next() for _ in range(3)]
-        batches.close()
-        return got
+    def first_batches(rows):  # what a process whose devices hold `rows` builds (in grain's workers)
+        build = BuildBatch(data, Augment(shift=2, flip=True), 9, Schedule([3]), [BatchShare(16, order, rows)])
+        return [build.map(k)[1:] for k in range(3)]
 
     whole, first, second = first_batches(slice(0, 16)), first_batches(slice(0, 8)), first_batches(slice(8, 16))
     for (images, labels), (a, la), (b, lb) in zip(whole, first, second, strict=True):
@@ -219,9 +223,9 @@ class _SlowIterator:
 
 
 def test_a_wait_for_input_counts_as_a_stall_only_once_the_devices_have_finished():
-    from jaxcnn.data import Batches
+    from jaxcnn.data import Batches, Schedule
 
-    batches = Batches(_SlowIterator(0.2), first_step=0)
+    batches = Batches(_SlowIterator(0.2), Schedule([5]), [_placement(1, (), devices=1)], first_step=0)
     batches.next()  # the pipeline starting: not a stall
     assert batches.startup_seconds >= 0.2
     batches.dispatched(_Device(0.5))  # a step longer than the wait: the devices never idle

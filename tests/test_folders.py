@@ -7,7 +7,7 @@ import pytest
 from conftest import load_train_module, write_folder
 from PIL import Image
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
 from jaxcnn.data import load_image_folder, split_validation
 from jaxcnn.data.folders import parse_image_size
 from jaxcnn.errors import UserError

@@ -100,8 +100,8 @@ MODEL_CASES = [
 @pytest.mark.parametrize(("layout", "mesh", "model"), MODEL_CASES, ids=[f"{c[0]}-{c[2].norm}" for c in MODEL_CASES])
 def test_analytic_model_agrees_with_the_compiled_program(layout, mesh, model):
     program, cost = cost_of(layout, mesh, model)
-    compute = {p.path: p.bytes_per_device for p in program.compute_placements}
-    modelled = summarise(comm_terms(model, (8, 8, 1), 32, program.layout, mesh, program.placements, compute))
+    compute = {p.path: p.bytes_per_device for p in program.anatomy.compute_placements}
+    modelled = summarise(comm_terms(model, (8, 8, 1), 32, program.layout, mesh, program.anatomy.placements, compute))
     # exact: every case measured byte for byte equal (so even the 8-byte loss-and-accuracy
     # all-reduce, 0.05% of dp's total, would show if the model dropped it)
     assert cost.comm_bytes() == modelled["total"]
@@ -112,9 +112,11 @@ def test_analytic_model_agrees_with_the_compiled_program(layout, mesh, model):
 def test_spatial_halo_model_on_larger_images():
     model = ModelConfig(name="cnn2d_3layer_fullconnected_2layer", conv_features=(8, 16, 16), dense_features=(32,))
     program, cost = cost_of("spatial", {"data": 2, "spatial": 4}, model, image_shape=(32, 32, 3), batch_size=8)
-    compute = {p.path: p.bytes_per_device for p in program.compute_placements}
+    compute = {p.path: p.bytes_per_device for p in program.anatomy.compute_placements}
     modelled = summarise(
-        comm_terms(model, (32, 32, 3), 8, program.layout, {"data": 2, "spatial": 4}, program.placements, compute)
+        comm_terms(
+            model, (32, 32, 3), 8, program.layout, {"data": 2, "spatial": 4}, program.anatomy.placements, compute
+        )
     )
     assert cost.comm_bytes("collective-permute") == modelled["collective-permute"]  # 34,816 bytes, exact
     assert cost.comm_bytes() == modelled["total"]  # 104,432 bytes, exact

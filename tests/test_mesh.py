@@ -1,10 +1,12 @@
 """Mesh flags, layouts and user rules tables: parsing and validation."""
 
+import jax
 import pytest
 from jax.sharding import AxisType
 
 from jaxcnn.errors import UserError
-from jaxcnn.sharding import LAYOUTS, build_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
+from jaxcnn.run_config import ParallelConfig
+from jaxcnn.sharding import LAYOUTS, build_mesh, get_layout, mesh_for, parse_mesh, parse_rules, resolve_mesh
 from jaxcnn.sharding.mesh import check_layout_axes, host_devices_for
 
 
@@ -41,6 +43,24 @@ def test_product_must_match_the_devices():
         resolve_mesh({"data": 3, "model": 2}, 8)
     with pytest.raises(UserError, match="not a multiple of 3"):
         resolve_mesh({"data": -1, "model": 3}, 8)
+
+
+def test_mesh_for_builds_what_a_parallel_config_names_over_the_devices_it_is_given():
+    """The one mesh builder: -1 fills the devices; a fixed mesh takes the first ones, and says
+    how many stay idle; a rules table is the layout; a mesh too big is one line."""
+    devices = jax.devices()
+    layout, mesh = mesh_for(ParallelConfig(layout="hybrid"), devices[:4])
+    assert layout is get_layout("hybrid") and dict(mesh.shape) == {"data": 2, "model": 2}
+    assert list(mesh.devices.flat) == devices[:4]
+    with pytest.warns(UserWarning, match="uses 2 of the 8 devices"):
+        _, mesh = mesh_for(ParallelConfig(layout="tp", mesh="model=2"))
+    assert list(mesh.devices.flat) == devices[:2]
+    layout, mesh = mesh_for(ParallelConfig(layout_rules="batch=data,conv_out=model", mesh="data=4,model=2"))
+    assert layout.axes_for("conv_out") == ("model",) and mesh.size == 8
+    with pytest.raises(UserError, match="needs 16 devices but 8 exist"):
+        mesh_for(ParallelConfig(mesh="data=16"))
+    with pytest.raises(UserError, match="lacks"):
+        mesh_for(ParallelConfig(layout="hybrid", mesh="data=8"))
 
 
 def test_mesh_uses_auto_axes_over_the_first_devices():

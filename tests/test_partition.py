@@ -22,8 +22,8 @@ def test_dp_replicates_every_parameter_and_splits_the_batch():
     state = program.init()
     for array in jax.tree.leaves((state.params, state.model_state, state.opt_state)):
         assert array.sharding.is_fully_replicated
-    assert program.batch_shardings[0].spec == P("data", None, None, None)
-    assert program.batch_shardings[1].spec == P("data")
+    assert program.train_input.images.sharding.spec == P("data", None, None, None)
+    assert program.train_input.labels.sharding.spec == P("data")
 
 
 def test_user_rules_shard_the_tensors_they_name():
@@ -42,7 +42,7 @@ def test_user_rules_shard_the_tensors_they_name():
     mu = state.opt_state[0].mu["blocks"][0]["conv"]["kernel"]
     assert mu.get_value().sharding == kernel0.get_value().sharding
     # the placement table agrees with the arrays
-    rows = {row.path: row for row in program.placements}
+    rows = {row.path: row for row in program.anatomy.placements}
     assert rows["blocks/0/conv/kernel"].spec == P(None, None, None, "model")
     assert rows["blocks/0/conv/kernel"].bytes_per_device == 3 * 3 * 1 * 4 * 4
     assert rows["dense/0/bias"].spec == P("model")

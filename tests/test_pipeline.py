@@ -53,11 +53,11 @@ CASES = [(mesh, m) for s in (2, 4) for mesh in ({"stage": s}, {"data": 2, "stage
 def test_pipeline_matches_single_device(single, mesh, microbatches):
     reference, ref_state, _ = single
     losses, state, program = pipeline_run(mesh, microbatches)
-    assert program.microbatches == microbatches and len(program.stages) == mesh["stage"]
+    assert program.anatomy.microbatches == microbatches and len(program.anatomy.stages) == mesh["stage"]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     # final parameters: stage s holds exactly the single-device model's layers of group s
     reference_params = {_keys(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(ref_state.params)}
-    for stage, group in zip(state.stages, program.layer_groups, strict=True):
+    for stage, group in zip(state.stages, program.anatomy.layer_groups, strict=True):
         for path, leaf in jax.tree_util.tree_leaves_with_path(stage.params):
             np.testing.assert_allclose(
                 np.asarray(leaf), np.asarray(reference_params[_global(path, group)]), rtol=1e-4, atol=1e-6
@@ -87,7 +87,7 @@ def test_accumulated_gradients_equal_a_sequential_reference():
     state = program.init()
     before = [jax.tree.map(np.asarray, stage.params) for stage in state.stages]  # the step donates them
     images, labels = data.images[:32], data.labels[:32]
-    x, y = jax.device_put(images, program.batch_shardings[0]), jax.device_put(labels, program.batch_shardings[1])
+    x, y = program.train_input.place(images, labels)
     new_state, _ = program.train_step(state, x, y)
     # plain SGD with lr 1: new = old - grad, so grad = old - new
     pipeline_grads = [
@@ -116,15 +116,15 @@ def test_accumulated_gradients_equal_a_sequential_reference():
 
 def test_each_stage_holds_only_its_parameters():
     _, state, program = pipeline_run({"stage": 4}, 8)
-    whole = sum(program.stage_param_bytes)
+    whole = sum(program.anatomy.stage_param_bytes)
     assert whole == 4 * count_params(build_model(TINY_PLAIN, (8, 8, 1), 0))  # every parameter, once
-    for stage, bytes_ in zip(state.stages, program.stage_param_bytes, strict=True):
+    for stage, bytes_ in zip(state.stages, program.anatomy.stage_param_bytes, strict=True):
         held = sum(leaf.nbytes for leaf in jax.tree.leaves(stage.params))
         assert held == bytes_ < whole
         devices = {d for leaf in jax.tree.leaves(stage.params) for d in leaf.sharding.device_set}
         assert len(devices) == 1  # stage=4 on 4 devices: one device each
     assert len({d for s in state.stages for leaf in jax.tree.leaves(s.params) for d in leaf.sharding.device_set}) == 4
-    assert program.bubble_fraction == pytest.approx(3 / 11)
+    assert program.anatomy.bubble_fraction == pytest.approx(3 / 11)
     # activations 32/8 x (4x4x8, 2x2x16, 32), forward and gradient, per step
     assert program.record["bytes_between_stages_per_step"] == 2 * 8 * 4 * 4 * (128 + 64 + 32)
 
@@ -201,6 +201,6 @@ def test_remat_and_bfloat16_reach_the_pipeline_stages():
     rematted = pipeline_run(mesh, 2, dataclasses.replace(TINY_PLAIN, remat="full"))
     np.testing.assert_allclose(rematted[0], plain[0], rtol=1e-5)
     bf16 = pipeline_run(mesh, 2, dataclasses.replace(TINY_PLAIN, dtype="bfloat16"))
-    hlo = "\n".join(part.compiled.as_text() for stage in bf16[2].stages for part in stage)
+    hlo = "\n".join(part.compiled.as_text() for stage in bf16[2].anatomy.stages for part in stage)
     assert any("bf16" in line and "convolution" in line for line in hlo.splitlines())
     np.testing.assert_allclose(bf16[0], plain[0], rtol=3e-2)

@@ -151,7 +151,7 @@ def test_pipeline_cuts_at_block_boundaries_and_matches_single_device(mesh, micro
         data.image_shape, 32, STEPS, microbatches=microbatches, with_eval=False,
     )  # fmt: skip
     # units: the stem, block 0, block 1 (with its projection), the head
-    assert [list(g) for g in program.layer_groups][: mesh["stage"]] == (
+    assert [list(g) for g in program.anatomy.layer_groups][: mesh["stage"]] == (
         [[0], [1], [2], [3]] if mesh["stage"] == 4 else [[0, 1], [2, 3]]
     )
     result = fit(
@@ -171,7 +171,7 @@ def compiled(layout, mesh, model=BASIC):
 @pytest.mark.parametrize("model", [BASIC, BOTTLENECK], ids=["basic", "bottleneck"])
 def test_tp_all_reduces_once_per_block_each_way_and_never_gathers_an_activation(model):
     program, found = compiled("tp", {"model": 2}, model)
-    roles = classify(found, program.placements, program.mesh)
+    roles = classify(found, program.anatomy.placements, program.mesh)
     assert not [c for c, role in zip(found, roles, strict=True) if c.kind == "all-gather" and role != "param"]
     assert kinds_seen(found)["all-to-all"] == kinds_seen(found)["collective-permute"] == 0
     layers = layer_shapes(model, (8, 8, 1))
@@ -192,7 +192,7 @@ def test_spatial_exchanges_halos_and_gathers_only_where_the_height_stops_dividin
     program, found = compiled("spatial", {"data": 2, "spatial": 4})
     kinds = kinds_seen(found)
     assert kinds["collective-permute"] > 0 and kinds["all-to-all"] == 0
-    roles = classify(found, program.placements, program.mesh)
+    roles = classify(found, program.anatomy.placements, program.mesh)
     gathered = [c for c, role in zip(found, roles, strict=True) if c.kind == "all-gather" and role == "activation"]
     _, expected = spatial_plan(layer_shapes(BASIC, (8, 8, 1)), 4, 16, 4)
     expected_gathers = [t for t in expected if t.kind == "all-gather"]

@@ -19,10 +19,9 @@ import pytest
 from conftest import REPO, load_train_module, write_digits_csv, write_folder
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxcnn import cli
-from jaxcnn.commands import COMMANDS, evaluate, predict
-from jaxcnn.commands import train as train_command
+from jaxcnn.commands import COMMANDS, cli, evaluate, predict
 from jaxcnn.config import LAYOUT_NAMES, ModelConfig
+from jaxcnn.run_config import RunConfig
 from jaxcnn.saved_model import flat_variables, model_template, restore_model
 from jaxcnn.sharding import LAYOUTS, build_mesh, get_layout
 
@@ -42,8 +41,8 @@ def test_a_run_leaves_config_results_model_curves_and_tensorboard(finished_run):
     names = {p.name for p in run_dir.iterdir()}
     assert names == {"config.json", "r.json", "r.csv", "model", "curves.png", "tensorboard"}  # no checkpoints left
     config = json.loads((run_dir / "config.json").read_text())
-    assert set(config) == set(vars(train_command.parse_flags([])))  # every flag
-    assert config["conv_features"] == [8, 16, 16] and config["epochs"] == 2
+    assert RunConfig.from_json(config) == RunConfig.from_json(record["config"])  # the whole RunConfig, by part
+    assert config["model"]["conv_features"] == [8, 16, 16] and config["train"]["epochs"] == 2
     assert json.loads((run_dir / "r.json").read_text())["test_accuracy"] == record["test_accuracy"]
     assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
     for path in run_dir.rglob("*"):  # results, plot, model and event files alike: 0644 under umask 022
@@ -69,7 +68,7 @@ def test_tensorboard_event_files_load_with_every_figure(finished_run):
     np.testing.assert_allclose([e.value for e in losses], record["loss_history"], rtol=1e-6)
     assert events.Scalars("test/accuracy")[-1].value == pytest.approx(record["test_accuracy"])
     rates = [e.value for e in events.Scalars("train/learning_rate")]
-    peak = json.loads((run_dir / "config.json").read_text())["lr"]
+    peak = json.loads((run_dir / "config.json").read_text())["optim"]["learning_rate"]
     assert max(rates) == pytest.approx(peak) and rates[0] < peak and rates[-1] < rates[len(rates) // 2]  # warm, cosine
 
 
@@ -153,7 +152,8 @@ def _bad_cases(tmp_path, run_dir):
     other = tmp_path / "other"  # a run directory whose model is of another size than its config says
     shutil.copytree(run_dir, other, ignore=shutil.ignore_patterns("model"))
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "conv_features": [8, 16, 32]}))
+    config["model"]["conv_features"] = [8, 16, 32]
+    (other / "config.json").write_text(json.dumps(config))
     shutil.copytree(run_dir / "model", other / "model")
     (other / "r.json").rename(other / "other.json")
     unfinished = tmp_path / "unfinished"

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import pytest
 from conftest import REPO, TINY_BN_DROPOUT, load_script
 
-from jaxcnn import cli
 from jaxcnn.analysis.profiling import hlo_ops
 from jaxcnn.build import build_program
+from jaxcnn.commands import cli
 from jaxcnn.compiling import compile_with
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.platform_choices import YNN_FUSION_TYPES, step_compiler_options

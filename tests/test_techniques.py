@@ -52,7 +52,7 @@ def test_grad_accumulation_equals_one_big_step(layout, mesh):
 
 def test_grad_accumulation_with_batch_norm_sees_the_same_micro_batches_on_every_layout():
     """Batch-norm statistics are per micro-batch, so the micro-batches must be the same
-    images whatever the data-axis size (UpdatePlan.batch_order)."""
+    images whatever the data-axis size (UpdateRule.batch_order)."""
     update = UpdateConfig(grad_accum=2)
     reference = train_losses(get_layout("single"), {"data": 1}, BN, steps=STEPS, update=update)
     for layout, mesh in LAYOUTS:
@@ -67,7 +67,7 @@ def test_grad_accumulation_reduces_gradients_once_per_step(layout, mesh):
     program = compiled_program(get_layout(layout), mesh, TINY_PLAIN, STEPS, update=UpdateConfig(grad_accum=k))
     found = collectives(program.train_step.as_text(), program.mesh.size)
     over_data = [c for c in found if c.kind == "all-reduce" and c.group_size == mesh["data"]]
-    gradient_bytes = sum(p.bytes_per_device for p in program.compute_placements)
+    gradient_bytes = sum(p.bytes_per_device for p in program.anatomy.compute_placements)
     assert over_data and all(c.repeats == 1 for c in over_data), [(c.shapes, c.repeats) for c in over_data]
     # the gradients once (+ the loss and accuracy scalars), not K times
     assert gradient_bytes <= sum(c.step_bytes for c in over_data) <= gradient_bytes + 64
@@ -142,10 +142,10 @@ def test_local_sgd_averaging_every_step_is_synchronous_sgd(layout, mesh):
 def test_local_sgd_communicates_only_when_replicas_meet():
     update = UpdateConfig(sync="local-sgd", sync_every=4)
     program = compiled_program(get_layout("dp"), {"data": 8}, TINY_PLAIN, STEPS, optim=SGD, update=update)
-    param_bytes = sum(p.bytes_per_device for p in program.placements)
+    param_bytes = sum(p.bytes_per_device for p in program.anatomy.placements)
     step = collectives(program.train_step.as_text(), 8)
     assert sum(c.step_bytes for c in step) <= 16  # the loss and accuracy scalars; no gradients
-    average = collectives(program.average_step.as_text(), 8)
+    average = collectives(program.averaging.average.as_text(), 8)
     assert sum(c.step_bytes for c in average if c.kind == "all-reduce") >= param_bytes
     # and the replicas really drift apart between meetings
     local = train_losses(get_layout("dp"), {"data": 8}, TINY_PLAIN, steps=STEPS, optim=SGD, update=update)[0]
@@ -233,8 +233,7 @@ def test_largest_batch_search_brackets_and_bisects():
 
 def test_auto_batch_reads_compiled_memory():
     """The answer's compiled step fits; the next allowed batch's does not."""
-    from jaxcnn.analysis.cost import step_cost
-    from jaxcnn.run import auto_batch
+    from jaxcnn.analysis.cost import auto_batch, step_cost
 
     layout, mesh = get_layout("dp"), build_mesh({"data": 8})
 

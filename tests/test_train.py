@@ -75,7 +75,7 @@ def test_diverged_at_names_the_first_step_far_above_the_first_loss():
 def test_a_diverging_run_warns_naming_the_step_and_records_it(tmp_path, capsys):
     from conftest import load_train_module
 
-    from jaxcnn import cli
+    from jaxcnn.commands import cli
 
     flags = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32",
              "--lr", "1e6", "--max-steps", "8", "--quiet", "--results-dir", str(tmp_path), "--run-name", "big"]  # fmt: skip

@@ -20,7 +20,8 @@ from jaxcnn.autobatch import BatchSearch, largest_batch
 from jaxcnn.compiling import all_cached
 from jaxcnn.config import ModelConfig
 from jaxcnn.models import build_model, cross_entropy
-from jaxcnn.sharding import build_mesh, get_layout
+from jaxcnn.run_config import ParallelConfig
+from jaxcnn.sharding import mesh_for
 
 # `--batch fill`: the share of a device's memory one step may plan for (the other variants'
 # states and the allocator's slack live in the rest), the batch's granularity and its cap.
@@ -144,6 +145,6 @@ def fill_batch(
     """The batch that fills `device`: the largest multiple of `multiple` up to `limit` whose
     single-device train step (compiled, never run) needs at most `budget_bytes` by XLA's
     memory analysis -- jaxcnn.autobatch's search, about 2 log2(limit / multiple) compiles."""
-    mesh, layout = build_mesh({"data": 1}, [device]), get_layout("single")
+    layout, mesh = mesh_for(ParallelConfig(layout="single"), [device])
     peak = step_peak_bytes(config, TIMING_OPTIM, layout, mesh, image_shape)
     return largest_batch(peak, budget_bytes, multiple, limit, flag="--batch fill")

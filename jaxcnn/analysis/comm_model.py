@@ -207,7 +207,7 @@ def pipeline_summary(program: Program, config: ModelConfig, image_shape: tuple[i
     with a data axis of D > 1 each stage all-reduces its parameters' gradient once per
     micro-batch (M per step); every boundary carries each micro-batch's activation forward
     and its gradient back, 2 x M x micro x (the last layer's pooled output) x f / D."""
-    groups, m = program.layer_groups, program.microbatches
+    groups, m = program.anatomy.layer_groups, program.anatomy.microbatches
     data_ways = program.mesh.size // len(groups)
     layers, micro = layer_shapes(config, image_shape), program.batch_size // m
     sent = []
@@ -216,7 +216,7 @@ def pipeline_summary(program: Program, config: ModelConfig, image_shape: tuple[i
         height, width = last.next_size
         size = height * width * last.features if last.kind == "conv" else last.features
         sent.append(2 * m * micro * size * 4 // data_ways)
-    grads = [m * b for b in program.stage_param_bytes] if data_ways > 1 else [0] * len(groups)
+    grads = [m * b for b in program.anatomy.stage_param_bytes] if data_ways > 1 else [0] * len(groups)
     wire = [ring_wire_bytes("all-reduce", data_ways, g) for g in grads]
     return {"total": max(grads) + max(sent, default=0), "wire": max(wire) + max(sent, default=0)}
 
@@ -225,9 +225,9 @@ def modelled_comm(program: Program, config: ModelConfig, image_shape: tuple[int,
     """The model's bytes for `program`: `summarise(comm_terms(...))`, or the pipeline's."""
     if program.layout.stage_axis:
         return pipeline_summary(program, config, image_shape)
-    compute_bytes = {p.path: p.bytes_per_device for p in program.compute_placements}
+    compute_bytes = {p.path: p.bytes_per_device for p in program.anatomy.compute_placements}
     mesh_shape = dict(program.mesh.shape)
     terms = comm_terms(
-        config, image_shape, program.batch_size, program.layout, mesh_shape, program.placements, compute_bytes
+        config, image_shape, program.batch_size, program.layout, mesh_shape, program.anatomy.placements, compute_bytes
     )
     return summarise(terms)

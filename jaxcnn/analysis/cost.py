@@ -17,10 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxcnn.analysis.hlo import Collective, collectives
+from jaxcnn.autobatch import largest_batch
 from jaxcnn.build import build_program
+from jaxcnn.errors import UserError
 from jaxcnn.platform_choices import probe_compiler_options
 from jaxcnn.program import CompiledPart, Program
 from jaxcnn.sharding.partition import bytes_per_device, quiet_fallbacks
+from jaxcnn.steps import update_rule
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ def part_collectives(part: CompiledPart) -> list[Collective]:
 
 def program_collectives(program: Program) -> list[Collective]:
     """Every collective one optimizer step of `program` runs, all stages."""
-    return [c for stage in program.stages for part in stage for c in part_collectives(part)]
+    return [c for stage in program.anatomy.stages for part in stage for c in part_collectives(part)]
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,9 @@ class ProgramCost:
 
 
 def program_cost(program: Program) -> ProgramCost:
+    anatomy = program.anatomy
     flops, temp, peak, found, count = [], [], [], [], 0
-    for stage, optimizer_bytes in zip(program.stages, program.stage_optimizer_bytes, strict=True):
+    for stage, optimizer_bytes in zip(anatomy.stages, anatomy.stage_optimizer_bytes, strict=True):
         analyses = [_analyses(part.compiled) for part in stage]
         flops.append(sum(part.calls * float(c.get("flops", 0.0)) for part, (_, c) in zip(stage, analyses, strict=True)))
         temp.append(max(m.temp_size_in_bytes for m, _ in analyses))
@@ -138,14 +142,14 @@ def program_cost(program: Program) -> ProgramCost:
         found.append([c for cs in per_part for c in cs])
         count += sum(len(cs) * part.calls for part, cs in zip(stage, per_part, strict=True))
     return ProgramCost(
-        param_bytes=max(program.stage_param_bytes),
-        optimizer_bytes=max(program.stage_optimizer_bytes),
+        param_bytes=max(anatomy.stage_param_bytes),
+        optimizer_bytes=max(anatomy.stage_optimizer_bytes),
         temp_bytes=max(temp),
         peak_bytes=max(peak),
         flops=max(flops),
         stage_collectives=found,
-        transfer_bytes=max(program.boundary_bytes, default=0),
-        num_collectives=count + program.boundary_transfers,
+        transfer_bytes=max(anatomy.boundary_bytes, default=0),
+        num_collectives=count + anatomy.boundary_transfers,
     )
 
 
@@ -165,3 +169,15 @@ def step_peak_bytes(model_config, optim_config, layout, mesh, image_shape, **bui
         return program_cost(program).peak_bytes
 
     return peak
+
+
+def auto_batch(model_config, optim_config, layout, mesh, image_shape, update_config, budget: float, train_size: int):
+    """`--auto-batch`: search compiled train steps for the largest global batch whose peak
+    memory per device fits `budget` (jaxcnn.autobatch.BatchSearch)."""
+    if layout.stage_axis:
+        raise UserError("--auto-batch needs a single-program layout; give the pipeline a --batch-size")
+    # a batch must split over the data shards and then into the micro-batches
+    multiple = update_rule(update_config, layout, mesh).groups * update_config.grad_accum
+
+    peak = step_peak_bytes(model_config, optim_config, layout, mesh, image_shape, update=update_config)
+    return largest_batch(peak, budget, multiple, train_size)

@@ -117,7 +117,7 @@ def lint(
 
 def lint_program(program: Program) -> ShardingReport:
     """The report for a compiled program: its placements and every collective of one step."""
-    return lint(program.layout, program.mesh, program.placements, program_collectives(program))
+    return lint(program.layout, program.mesh, program.anatomy.placements, program_collectives(program))
 
 
 def format_report(report: ShardingReport) -> str:

@@ -10,6 +10,7 @@ pipeline included: its figures are those of the stage that bounds the step (jaxc
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -24,7 +25,8 @@ from jaxcnn.compiling import all_cached
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.data import Dataset
 from jaxcnn.program import Program
-from jaxcnn.sharding import build_mesh, format_mesh, get_layout
+from jaxcnn.run_config import ParallelConfig
+from jaxcnn.sharding import build_mesh, format_mesh, mesh_for
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import quiet_fallbacks
 
@@ -54,10 +56,13 @@ def timing_program(
 ) -> Program:  # fmt: skip
     """The train step benchmarks time: `layout` on `mesh_shape` (default one device),
     Adam at a constant rate, no eval step."""
+    shape = mesh_shape or {"data": 1}
+    devices = list(jax.devices() if devices is None else devices)[: math.prod(shape.values())]  # only the timed mesh's
+    parallel = ParallelConfig(layout=layout, mesh=format_mesh(shape))
     with quiet_fallbacks():
         return build_program(
-            config, TIMING_OPTIM, get_layout(layout), build_mesh(mesh_shape or {"data": 1}, devices), image_shape,
-            batch_size, 1000, with_eval=False, compiler_options=compiler_options,
+            config, TIMING_OPTIM, *mesh_for(parallel, devices), image_shape, batch_size, 1000, with_eval=False,
+            compiler_options=compiler_options,
         )  # fmt: skip
 
 
@@ -70,7 +75,7 @@ def stage_options(layout: Layout, microbatches: int | None) -> dict:
 def time_steps(program: Program, state, images: np.ndarray, labels: np.ndarray, steps: int):
     """Run `steps` train steps on one fixed batch; (seconds of each, final state). The
     first (warm-up) run is not counted. Each step is waited for, so these are step times."""
-    x, y = program.place_batch(images, labels)
+    x, y = program.train_input.place(images, labels)
     state, metrics = program.train_step(state, x, y)
     jax.block_until_ready(metrics)
     seconds = []
@@ -184,8 +189,8 @@ def measure_layout(
 def pipeline_fields(program: Program, cost) -> dict:
     return {
         "bytes_between_stages": cost.transfer_bytes,
-        "microbatches": program.microbatches,
-        "bubble_fraction": program.bubble_fraction,
+        "microbatches": program.anatomy.microbatches,
+        "bubble_fraction": program.anatomy.bubble_fraction,
     }
 
 

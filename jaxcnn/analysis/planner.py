@@ -149,7 +149,7 @@ def compile_candidates(
             candidate.error = str(err)
             continue
         cost = program_cost(program)
-        candidate.cost, candidate.bubble_fraction = cost, program.bubble_fraction
+        candidate.cost, candidate.bubble_fraction = cost, program.anatomy.bubble_fraction
         candidate.peak_bytes = cost.peak_bytes
         candidate.param_bytes, candidate.optimizer_bytes = cost.param_bytes, cost.optimizer_bytes
         candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes

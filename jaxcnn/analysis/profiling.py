@@ -77,7 +77,7 @@ def settle_heap(program, state, x, y, quiet_faults: int, quiet_steps: int = 10, 
 
 def profile_step(program, state, images, labels, steps: int, trace_dir: Path):
     """Trace `steps` warm train steps; (rows, summary) as described in the module docstring."""
-    x, y = program.place_batch(images, labels)
+    x, y = program.train_input.place(images, labels)
     temp_bytes = program.train_step.memory_analysis().temp_size_in_bytes
     quiet_faults = max(64, temp_bytes // resource.getpagesize() // 100)  # fewer: the heap did not grow
     state, warmup_steps = settle_heap(program, state, x, y, quiet_faults)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
 
 COMMANDS = {
     "train": "train a CNN under a layout and mesh; keep the model and the run's logs in runs/<name>/",

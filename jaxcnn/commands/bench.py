@@ -37,7 +37,7 @@ import argparse
 import statistics
 from typing import NamedTuple
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
 from jaxcnn.config import DEFAULT_MODEL, DTYPES, ModelConfig, parse_bytes
 from jaxcnn.errors import UserError
 

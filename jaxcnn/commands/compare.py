@@ -13,10 +13,9 @@ works on; see jaxcnn/analysis/hlo.py); comm_wire_bytes[_model] give ring traffic
 
 from __future__ import annotations
 
-import warnings
-
-from jaxcnn import cli
+from jaxcnn.commands import cli
 from jaxcnn.errors import UserError
+from jaxcnn.run_config import ParallelConfig
 
 PROG = "jaxcnn compare"
 
@@ -36,22 +35,13 @@ def parse_flags(argv=None):
     return parser.parse_args(argv)
 
 
-def mesh_for(layout, args) -> dict[str, int]:
-    from jaxcnn.sharding import ParallelDims, parse_mesh, resolve_mesh
-
-    shape = resolve_mesh(parse_mesh(args.mesh or layout.default_mesh), args.devices)
-    for note in ParallelDims(layout, shape).notes:
-        warnings.warn(note, stacklevel=1)
-    return shape
-
-
 def main(argv=None) -> list[dict]:
     args = parse_flags(argv)
     import jax  # after the flags: --help and bad flags answer at once
 
     from jaxcnn import plots, results
     from jaxcnn.analysis.measure import COMPARE_COLUMNS, add_speedups, measure_layout
-    from jaxcnn.sharding import get_layout, simulate_cpu_devices
+    from jaxcnn.sharding import get_layout, mesh_for, simulate_cpu_devices
 
     if args.steps < 0:
         raise UserError(f"--steps must be >= 0, got {args.steps}")
@@ -59,14 +49,17 @@ def main(argv=None) -> list[dict]:
         raise UserError(f"--devices must be at least 1, got {args.devices}")
     model_config = cli.model_from_flags(args)
     layouts = cli.layouts_from_flag(args.layouts, skip=("single",))
-    meshes = [mesh_for(layout, args) for layout in layouts]  # bad meshes fail before any compile
+    simulate_cpu_devices(args.devices, at_least=True)
+    if len(jax.devices()) < args.devices:
+        raise UserError(f"--devices {args.devices}, but only {len(jax.devices())} devices exist")
+    devices = jax.devices()[: args.devices]  # bad meshes fail before any compile
+    meshes = [
+        dict(mesh_for(ParallelConfig(layout=layout.name, mesh=args.mesh), devices)[1].shape) for layout in layouts
+    ]
     out, plot = cli.writable_outputs(args.out, args.plot)
     image_shape, data = cli.data_from_flags(args, model_config.num_classes)
     if data is not None and len(data) < args.batch_size:
         raise UserError(f"--batch-size {args.batch_size} exceeds the {len(data)} images in {args.data}")
-    simulate_cpu_devices(args.devices, at_least=True)
-    if len(jax.devices()) < args.devices:
-        raise UserError(f"--devices {args.devices}, but only {len(jax.devices())} devices exist")
     simulated = jax.devices()[0].platform == "cpu" and args.devices > 1
 
     rows = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
 from jaxcnn.commands.predict import add_model_run_flags, class_names, fresh_output, load_model_and_data, output_for
 
 PROG = "jaxcnn evaluate"

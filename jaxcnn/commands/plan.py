@@ -13,8 +13,8 @@ jaxcnn plan --model resnet50 --synthetic 224x224x3 --num-classes 1000 --batch-si
 
 from __future__ import annotations
 
-from jaxcnn import cli
 from jaxcnn.analysis.hardware import PROFILES, get_profile
+from jaxcnn.commands import cli
 from jaxcnn.config import parse_bytes
 from jaxcnn.errors import UserError
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
+from jaxcnn.run_config import ParallelConfig, part_from_flags
 
 PROG = "jaxcnn predict"
 
@@ -48,35 +49,30 @@ def parse_flags(argv=None):
 
 def load_model_and_data(args, need_labels: bool):
     """(the run, its data to score, the predictor, the data's name): everything checked first."""
-    import jax
-
     from jaxcnn import runs
-    from jaxcnn.data import load_source
+    from jaxcnn.data import load_datasets, load_source
     from jaxcnn.errors import UserError
     from jaxcnn.inference import load_predictor
-    from jaxcnn.run import load_data
-    from jaxcnn.sharding import ParallelDims, build_mesh, get_layout, parse_mesh, parse_rules, resolve_mesh
-    from jaxcnn.sharding.mesh import devices_needed, host_devices_for, simulate_cpu_devices
+    from jaxcnn.sharding import ParallelDims, mesh_for, simulate_devices_for
 
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    layout = parse_rules(args.layout_rules) if args.layout_rules else get_layout(args.layout)
-    if layout.stage_axis:
+    parallel = part_from_flags(ParallelConfig, vars(args))
+    if parallel.named_pipeline:
         raise UserError("predict and evaluate run one SPMD program: use --layout dp (the default) or any but pipeline")
-    mesh_shape = parse_mesh(args.mesh or layout.default_mesh)
     run = runs.open_run(args.run)
-    flags = run.flags
-    model_config = cli.model_from_flags(flags)
+    config = run.config
     image_shape = tuple(run.record["image_shape"])
     if args.data is None:  # the run's own test set, its files still named (not decoded into memory)
-        dataset, name = load_data(flags, model_config.num_classes, decode_test=False)[1], None
+        dataset = load_datasets(config.data, config.model.num_classes, config.train.seed, decode_test=False)[1]
+        name = None
     else:
         path = Path(args.data)
         if not path.exists():
             raise UserError(f"--data {path} not found; pass a CSV or a folder of images")
         size = f"{image_shape[0]}x{image_shape[1]}" if path.is_dir() else None  # images resized to the model's input
         dataset = load_source(
-            path, channels=flags.channels, num_classes=model_config.num_classes, image_size=size,
+            path, channels=config.data.channels, num_classes=config.model.num_classes, image_size=size,
             classes=class_names(run), need_labels=need_labels,
         )  # fmt: skip
         name = path.stem or path.name
@@ -88,23 +84,20 @@ def load_model_and_data(args, need_labels: bool):
         )
     if need_labels and dataset.labels is None:
         raise UserError(f"{dataset.source} has no labels to evaluate against; use `jaxcnn predict` for it")
-    wanted = host_devices_for(mesh_shape, args.host_devices, cli.DEFAULT_SIMULATED_DEVICES)
-    simulate_cpu_devices(wanted, at_least=args.host_devices is None)  # a mesh takes the first devices
-    count = devices_needed(mesh_shape) or len(jax.devices())  # a mesh of fixed sizes takes the first devices
-    if count > len(jax.devices()):
-        raise UserError(f"--mesh {args.mesh} needs {count} devices but {len(jax.devices())} exist")
-    mesh_shape = resolve_mesh(mesh_shape, count)
-    data_ways = ParallelDims(layout, mesh_shape).data
-    batch = args.batch_size or flags.eval_batch_size or flags.batch_size
+    simulate_devices_for(parallel)
+    layout, mesh = mesh_for(parallel)
+    if layout.stage_axis:
+        raise UserError("predict and evaluate run one SPMD program: use a layout without a stage axis")
+    data_ways = ParallelDims(layout, dict(mesh.shape)).data
+    batch = args.batch_size or config.train.eval_batch_size or config.train.batch_size
     if args.batch_size is None:
         batch = math.ceil(batch / data_ways) * data_ways  # the run's batch, rounded up to split evenly
-    mesh = build_mesh(mesh_shape, jax.devices()[:count])
-    predictor = load_predictor(run.model_dir, model_config, image_shape, layout, mesh, batch)
+    predictor = load_predictor(run.model_dir, config.model, image_shape, layout, mesh, batch)
     return run, dataset, predictor, name
 
 
 def class_names(run) -> list[str]:
-    return run.record.get("classes") or [str(label) for label in range(run.flags.num_classes)]
+    return run.record.get("classes") or [str(label) for label in range(run.config.model.num_classes)]
 
 
 def fresh_output(path: Path | None, overwrite: bool, kind: str) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 
-from jaxcnn import cli
 from jaxcnn.analysis.hardware import get_profile
+from jaxcnn.commands import cli
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.errors import UserError
+from jaxcnn.run_config import ParallelConfig
 
 PROG = "jaxcnn scale"
 
@@ -59,8 +60,7 @@ def main(argv=None) -> list[dict]:
     from jaxcnn.build import build_program
     from jaxcnn.data import synthetic_dataset
     from jaxcnn.fit import fit
-    from jaxcnn.sharding import build_mesh, format_mesh, get_layout, parse_mesh, quiet_fallbacks, resolve_mesh
-    from jaxcnn.sharding.mesh import simulate_cpu_devices
+    from jaxcnn.sharding import format_mesh, get_layout, mesh_for, quiet_fallbacks, simulate_cpu_devices
 
     layout = get_layout(args.layout)
     if not args.devices or min(args.devices) < 1:
@@ -68,13 +68,13 @@ def main(argv=None) -> list[dict]:
     if args.steps < 2:
         raise UserError(f"--steps must be at least 2 (the first is warm-up), got {args.steps}")
     counts = sorted(set(args.devices))
-    meshes = {n: resolve_mesh(parse_mesh(layout.default_mesh), n) for n in counts}
     out, plot = cli.writable_outputs(args.out, args.plot)
     model_config = cli.model_from_flags(args)
     simulate_cpu_devices(max(counts), at_least=True)
     devices = jax.devices()
     if len(devices) < max(counts):
         raise UserError(f"--devices asks for {max(counts)} devices, but only {len(devices)} exist")
+    meshes = {n: mesh_for(ParallelConfig(layout=layout.name), devices[:n])[1] for n in counts}
     simulated = devices[0].platform == "cpu" and max(counts) > 1
     profile = _profile_for(devices[0], args.hardware)
 
@@ -86,8 +86,7 @@ def main(argv=None) -> list[dict]:
     if data is None:
         data = synthetic_dataset(shape, largest_batch * args.steps, model_config.num_classes, 0)
 
-    def run(run_layout, mesh_shape, batch):
-        mesh = build_mesh(mesh_shape, devices)
+    def run(run_layout, mesh, batch):
         config = TrainConfig(batch_size=batch, epochs=10**6, max_steps=args.steps)
         with quiet_fallbacks():
             program = build_program(
@@ -99,7 +98,7 @@ def main(argv=None) -> list[dict]:
         step_seconds = batch / outcome.images_per_second
         return {
             "layout": run_layout.name,
-            "mesh": format_mesh(mesh_shape),
+            "mesh": format_mesh(dict(mesh.shape)),
             "num_devices": mesh.size,
             "global_batch_size": batch,
             "steps": outcome.steps,
@@ -113,10 +112,13 @@ def main(argv=None) -> list[dict]:
         }
 
     print(f"[baseline] single on 1 device, batch {batch_for(1)} ...", flush=True)
-    baseline = run(get_layout("single"), {"data": 1}, batch_for(1))
+    baseline = run(*mesh_for(ParallelConfig(layout="single"), devices[:1]), batch_for(1))
     rows = []
     for n in counts:
-        print(f"[{n} device(s)] {layout.name} on {format_mesh(meshes[n])}, batch {batch_for(n)} ...", flush=True)
+        print(
+            f"[{n} device(s)] {layout.name} on {format_mesh(dict(meshes[n].shape))}, batch {batch_for(n)} ...",
+            flush=True,
+        )
         rows.append(run(layout, meshes[n], batch_for(n)))
     for r in rows:
         # weak scaling compares throughput; strong scaling the same (fixed batch): images/s ratio

@@ -9,7 +9,7 @@ jaxcnn train --layout hybrid --mesh data=4,model=2 --print-shardings
 jaxcnn train --grad-accum 4 --remat full --dtype bfloat16
 jaxcnn train --sync local-sgd --sync-every 8 --optimizer sgd --lr 0.05
 jaxcnn train --batch-schedule 0:32,10:64,20:128 --lr-scaling linear --base-batch 32
-jaxcnn train --resume --run-name NAME             # continue a run stopped by Ctrl-C, with its flags
+jaxcnn train --resume --run-name NAME             # continue a run stopped by Ctrl-C, with its config
 
 (`python experiments/train.py` is the same command.)
 """
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxcnn import cli
+from jaxcnn.commands import cli
+from jaxcnn.run_config import RunConfig
 
 PROG = "jaxcnn train"
 DEFAULT_RESULTS_DIR = "runs"
@@ -42,24 +43,24 @@ def parser() -> cli.FlagParser:
     return parser
 
 
-def parse_flags(argv=None):
-    """The flags; with --resume --run-name NAME, the run's own flags (its config.json) are
-    the defaults, so only what changes needs saying."""
+def parse_flags(argv=None) -> RunConfig:
+    """The run's config from its flags; with --resume --run-name NAME, the run's own config
+    (its config.json) gives the defaults, so only what changes needs saying."""
     flags = parser()
     args = flags.parse_args(argv)
     run_dir = Path(args.results_dir) / (args.run_name or "")
     if args.resume and args.run_name and run_dir.is_dir():
         from jaxcnn import runs
 
-        saved = runs.read_config(run_dir)
+        saved = runs.read_config(run_dir).to_flags()
         known = {action.dest for action in flags._actions}
         flags.set_defaults(**{k: v for k, v in saved.items() if k in known and k not in ("resume", "overwrite")})
         args = flags.parse_args(argv)
-    return args
+    return RunConfig.from_flags(args)
 
 
 def main(argv=None) -> dict:
-    args = parse_flags(argv)
+    config = parse_flags(argv)
     from jaxcnn.run import train  # JAX starts here, after the flags
 
-    return train(args)
+    return train(config)

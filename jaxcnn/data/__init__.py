@@ -1,21 +1,18 @@
 """Data: where images come from (sources: CSV, synthetic; datasets: standard ones by
 name, read from IDX files; folders: your own images, decoded when used) and how they
-become the step's sharded batches (loader: a grain pipeline)."""
+become the step's batches (loader: a grain pipeline, handing them over placed)."""
 
-from jaxcnn.data.datasets import DATASETS, load_named, load_source
+from jaxcnn.data.datasets import DATASETS, load_datasets, load_named, load_source
 from jaxcnn.data.folders import ImageFiles, load_image_folder, split_validation
 from jaxcnn.data.loader import (
     Augment,
     Batches,
-    Feed,
     Loader,
     Schedule,
     Step,
     batch_indices,
     epoch_order,
     eval_batches,
-    process_rows,
-    to_global,
     train_batches,
 )
 from jaxcnn.data.sources import Dataset, image_shape_for, load_csv, parse_image_shape, synthetic_dataset
@@ -25,7 +22,6 @@ __all__ = [
     "Augment",
     "Batches",
     "Dataset",
-    "Feed",
     "ImageFiles",
     "Loader",
     "Schedule",
@@ -35,13 +31,12 @@ __all__ = [
     "eval_batches",
     "image_shape_for",
     "load_csv",
+    "load_datasets",
     "load_image_folder",
     "load_named",
     "load_source",
     "parse_image_shape",
-    "process_rows",
     "split_validation",
     "synthetic_dataset",
-    "to_global",
     "train_batches",
 ]

@@ -2,6 +2,7 @@
 for, and how they load.
 
     train_set, test_set = load_named("fashion-mnist")            # 60,000 + 10,000 28x28 images
+    train_set, test_set = load_datasets(run_config.data, num_classes=10, seed=0)   # what a run's flags name
 
 The four MNIST-format files (gzipped or not) are looked for in `--data-dir`, then in
 jaxcnn's cache (`$JAXCNN_DATA`, default ~/.cache/jaxcnn/<name>), then where Debian's
@@ -25,11 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxcnn.config import BUNDLED_TRAIN
-from jaxcnn.data.folders import load_image_folder, load_unlabelled_folder, parse_image_size
+from jaxcnn.config import BUNDLED_TEST, BUNDLED_TRAIN
+from jaxcnn.data.folders import load_image_folder, load_unlabelled_folder, parse_image_size, split_validation
 from jaxcnn.data.idx import read_idx
-from jaxcnn.data.sources import Dataset, load_csv
+from jaxcnn.data.sources import Dataset, load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
+from jaxcnn.run_config import BUNDLED_DATASET, DataConfig
 
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -77,7 +79,7 @@ DATASETS = {
         },
     ),
 }
-BUNDLED = "digits"  # the CSVs in data/: the default, not one of DATASETS
+BUNDLED = BUNDLED_DATASET  # the CSVs in data/: the default, not one of DATASETS
 
 
 def search_dirs(name: str, data_dir: str | Path | None = None) -> list[Path]:
@@ -187,3 +189,32 @@ def load_source(
     if image_size:
         raise UserError("--image-size applies to image folders; a CSV's images keep their size")
     return load_csv(path, channels=channels, num_classes=num_classes, need_labels=need_labels)
+
+
+def load_datasets(
+    config: DataConfig, num_classes: int, seed: int = 0, *, decode_test: bool = True, with_test: bool = True
+) -> tuple[Dataset, Dataset | None]:
+    """(training set, test set) as `config` names them: synthetic images, a dataset by name,
+    or files (a CSV or an image folder) with their test files -- or, for your own training
+    files without any, `val_split` of them held out (never the bundled test file beside your
+    training file). The test set is decoded into memory (it is evaluated every epoch) unless
+    `decode_test` is False."""
+    if config.synthetic:
+        shape = parse_image_shape(config.synthetic)
+        train_set = synthetic_dataset(shape, config.synthetic_size, num_classes, seed)
+        return train_set, synthetic_dataset(shape, max(config.synthetic_size // 4, 1), num_classes, seed + 1)
+    if config.dataset != BUNDLED:
+        return load_named(config.dataset, config.data_dir, config.download)
+    source = dict(channels=config.channels, num_classes=num_classes, image_size=config.image_size)
+    train_set = load_source(config.data, **source)
+    if not with_test:
+        return train_set, None
+    if config.test_data or not config.data:
+        test_set = load_source(config.test_data or BUNDLED_TEST, **source, classes=train_set.classes, need_labels=False)
+    else:
+        train_set, test_set = split_validation(train_set, config.val_split, seed)
+    if test_set.image_shape != train_set.image_shape:
+        raise UserError(
+            f"test images are {test_set.image_shape}, training images {train_set.image_shape}; use matching files"
+        )
+    return train_set, test_set.loaded() if decode_test else test_set

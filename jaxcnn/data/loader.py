@@ -1,10 +1,11 @@
 """The input pipeline: each step's examples, read (decoded), augmented and prefetched on
-grain's workers -- the `Loader` the fit loop draws batches from -- and placed with the
-step's sharding.
+grain's workers -- the `Loader` the fit loop draws batches from -- and handed over placed
+on the devices as the step takes them (jaxcnn.sharding.placement), the next batch placed
+while the current step runs.
 
 Every process computes the same global batch order and builds only the rows its own
-devices own (`Feed.rows`, `to_global`), so multi-host input needs no other code and the
-global batches are the same for any number of processes.
+devices hold (`BatchShare`), so multi-host input needs no other code and the global
+batches are the same for any number of processes.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import grain
 import jax
 import numpy as np
 from absl import flags
-from jax.sharding import NamedSharding
 
 from jaxcnn.data.sources import Dataset
 from jaxcnn.errors import UserError
+from jaxcnn.sharding.placement import BatchPlacement, BatchShare
 
 
 def epoch_order(size: int, epoch: int, seed: int) -> np.ndarray:
@@ -101,62 +102,24 @@ def eval_batches(dataset: Dataset, batch_size: int) -> Iterator[tuple[np.ndarray
         yield images, batch_labels, mask
 
 
-def process_rows(placements: list[tuple[NamedSharding, tuple[int, ...]]]) -> slice:
-    """The rows of a global batch this process's devices hold, over (sharding, global shape)
-    pairs: the images' and the labels' may differ (a pipeline's first and last stage)."""
-    starts, stops = [], []
-    for sharding, shape in placements:
-        for index in sharding.addressable_devices_indices_map(shape).values():
-            starts.append(index[0].start or 0)
-            stops.append(shape[0] if index[0].stop is None else index[0].stop)
-    return slice(min(starts), max(stops)) if starts else slice(0, 0)
-
-
-def to_global(
-    array: np.ndarray, sharding: NamedSharding, global_rows: int | None = None, first_row: int = 0
-) -> jax.Array:
-    """A global sharded array from this process's rows of it.
-
-    `array` holds rows first_row .. first_row + len(array) of a global array of
-    `global_rows` rows (None: `array` is the whole global array); each process hands JAX
-    just the rows its own devices own, so multi-host input needs no other code.
-    """
-    global_shape = (global_rows or len(array), *array.shape[1:])
-    rows = process_rows([(sharding, global_shape)])
-    local = array[rows.start - first_row : rows.stop - first_row]
-    return jax.make_array_from_process_local_data(sharding, local, global_shape)
-
-
 def check_input_options(workers: int | None, depth: int) -> None:
     if (workers is not None and workers < 0) or depth < 1:
         raise UserError(f"--input-workers must be >= 0 and --prefetch >= 1, got {workers} and {depth}")
 
 
-@dataclass(frozen=True, eq=False)  # holds an array: compared by identity
-class Feed:
-    """How one program takes its batches: the global batch size, the order it wants the
-    examples in (None: as drawn), and the rows of it this process builds."""
-
-    batch_size: int
-    order: np.ndarray | None
-    rows: slice
-
-
 @dataclass(frozen=True)
 class Step:
-    """One optimizer step's place in the run: its epoch and batch index there, and its feed."""
+    """One optimizer step's place in the run: its epoch and its batch's index there."""
 
     epoch: int
     index: int
-    feed: Feed
 
 
 class Schedule(Sequence):
     """The run's steps as a sequence of `Step`s, without a list of them (a run of 100,000
-    epochs has millions): epoch e has `counts[e]` steps, fed by `feeds[e]`."""
+    epochs has millions): epoch e has `counts[e]` steps."""
 
-    def __init__(self, counts: Sequence[int], feeds: Sequence[Feed]):
-        self.feeds = list(feeds)
+    def __init__(self, counts: Sequence[int]):
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # epoch e's first step
 
     def __len__(self) -> int:
@@ -166,54 +129,55 @@ class Schedule(Sequence):
         if not 0 <= step < len(self):
             raise IndexError(step)
         epoch = int(np.searchsorted(self.starts, step, side="right")) - 1
-        return Step(epoch, step - int(self.starts[epoch]), self.feeds[epoch])
+        return Step(epoch, step - int(self.starts[epoch]))
 
 
 class BuildBatch(grain.transforms.Map):
     """Step number -> (step, this process's images, its labels): draws the global batch's
-    examples from (seed, epoch), keeps this process's rows, then reads (an image folder:
-    decodes) and augments just those. Runs in grain's workers; picklable."""
+    examples from (seed, epoch), keeps this process's share of them (`shares[epoch]`), then
+    reads (an image folder: decodes) and augments just those. Runs in grain's workers;
+    picklable."""
 
-    def __init__(self, dataset: Dataset, augment: Augment | None, seed: int, steps: Sequence[Step]):
-        self.dataset, self.augment, self.seed, self.steps = dataset, augment, seed, steps
+    def __init__(
+        self, dataset: Dataset, augment: Augment | None, seed: int, steps: Schedule, shares: Sequence[BatchShare]
+    ):
+        self.dataset, self.augment, self.seed, self.steps, self.shares = dataset, augment, seed, steps, shares
         self._epoch_batches: tuple[tuple[int, int], list[np.ndarray]] | None = None  # the last epoch's, kept
 
     def map(self, step: int):
         where = self.steps[step]
-        feed = where.feed
-        key = (where.epoch, feed.batch_size)
+        share = self.shares[where.epoch]
+        key = (where.epoch, share.batch_size)
         if self._epoch_batches is None or self._epoch_batches[0] != key:  # a shuffle per epoch, not per step
-            self._epoch_batches = key, batch_indices(len(self.dataset), feed.batch_size, where.epoch, self.seed)
-        examples = self._epoch_batches[1][where.index]
-        draws = None
-        if self.augment is not None and self.augment.active:
-            draws = self.augment.draws(self.seed, where.epoch, where.index, feed.batch_size)
-        if feed.order is not None:
-            examples = examples[feed.order]
-            draws = None if draws is None else draws[feed.order]
-        examples = examples[feed.rows]
+            self._epoch_batches = key, batch_indices(len(self.dataset), share.batch_size, where.epoch, self.seed)
+        examples = share.take(self._epoch_batches[1][where.index])
         images = self.dataset.images[examples]
-        if draws is not None:
-            images = self.augment.apply(images, draws[feed.rows])
+        if self.augment is not None and self.augment.active:
+            draws = self.augment.draws(self.seed, where.epoch, where.index, share.batch_size)
+            images = self.augment.apply(images, share.take(draws))
         return step, images, self.dataset.labels[examples]
 
 
 class Batches:
     """The run's training batches, in step order, from one grain iterator that spans every
-    epoch (so prefetch crosses epoch boundaries). `next()` gives this process's rows of the
-    next global batch; `position()` is the loader's place for a checkpoint: the next step,
+    epoch (so prefetch crosses epoch boundaries). `next()` gives the next step's batch as
+    the global arrays its step takes (`placements[epoch]`); once that step is dispatched
+    (`dispatched`), the batch after it is read and sent to the devices while the step runs.
+    `position()` is the loader's place for a checkpoint: the next step the loop takes,
     which with the seed fixes the next example exactly (batch k's examples depend on
     nothing else), whatever the worker count of the run that resumes from it.
 
-    The input stall: the part of each wait in `next()` during which the devices had nothing
+    The input stall: the part of each wait for a batch during which the devices had nothing
     left to run. Tell it each step's outputs (`dispatched`); a watcher thread notes when
     each finishes, so a wait that overlaps a running step costs nothing and only the rest of
     it counts -- the idle time `input_wait_fraction` reports. The first wait is the
     pipeline starting (its worker processes too): `startup_seconds`, not a stall.
     """
 
-    def __init__(self, iterator, first_step: int):
-        self._iterator, self._next_step = iterator, first_step
+    def __init__(self, iterator, steps: Schedule, placements: Sequence[BatchPlacement], first_step: int):
+        self._iterator, self._steps, self._placements = iterator, steps, placements
+        self._next_step = first_step  # the next step the loop takes
+        self._ahead: tuple[jax.Array, jax.Array] | None = None  # that step's batch, once placed
         self._waits: list[tuple[int, float, float]] = []  # (steps dispatched before it, start, end)
         self._finished: dict[int, float] = {}  # step count -> when that many had finished
         self._dispatched = 0
@@ -223,24 +187,35 @@ class Batches:
         self.wait_seconds = 0.0
         self.startup_seconds: float | None = None
 
-    def next(self) -> tuple[np.ndarray, np.ndarray]:
+    def next(self) -> tuple[jax.Array, jax.Array]:
+        """The next step's (images, labels), placed as its step takes them."""
+        batch = self._read() if self._ahead is None else self._ahead
+        self._ahead = None
+        self._next_step += 1
+        return batch
+
+    def dispatched(self, outputs) -> None:
+        """`outputs` of the step just dispatched (any of its arrays): the next batch is read
+        and placed now, while that step runs."""
+        self._dispatched += 1
+        self._watch.put((self._dispatched, outputs))
+        if self._ahead is None and self._next_step < len(self._steps):
+            self._ahead = self._read()
+
+    def _read(self) -> tuple[jax.Array, jax.Array]:
+        """Step `_next_step`'s rows from the pipeline, placed on the devices; the wait timed."""
         start = time.perf_counter()
         step, images, labels = next(self._iterator)
-        end = time.perf_counter()
         if step != self._next_step:  # a restored loader must stand exactly where its run stopped
             raise RuntimeError(f"the loader gave step {step} where step {self._next_step} was due")
-        self._next_step += 1
+        batch = self._placements[self._steps[step].epoch].place_rows(images, labels)
+        end = time.perf_counter()
         if self.startup_seconds is None:
             self.startup_seconds = end - start
         else:
             self._waits.append((self._dispatched, start, end))
             self.wait_seconds += end - start
-        return images, labels
-
-    def dispatched(self, outputs) -> None:
-        """`outputs` of the step just dispatched (any of its arrays)."""
-        self._dispatched += 1
-        self._watch.put((self._dispatched, outputs))
+        return batch
 
     def _note_finishes(self) -> None:
         while (item := self._watch.get()) is not None:
@@ -298,12 +273,17 @@ class Loader:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def batches(self, steps: Sequence[Step], seed: int, position: dict | None = None) -> Batches:
-        """Steps from `position` (a checkpoint's `Batches.position()`; None: the first) to
-        the last of `steps`."""
+    def batches(
+        self, epoch_steps: Sequence[int], placements: Sequence[BatchPlacement], seed: int, position: dict | None = None
+    ) -> Batches:
+        """The run's batches, placed: epoch e has `epoch_steps[e]` steps, whose step takes its
+        batch as `placements[e]` says; from `position` (a checkpoint's `Batches.position()`;
+        None: the first step) to the last."""
         _accept_grain_defaults()
         first_step = position["next_step"] if position else 0
-        source = grain.MapDataset.range(len(steps)).map(BuildBatch(self.dataset, self.augment, seed, steps))
+        steps = Schedule(epoch_steps)
+        shares = [placement.share for placement in placements]  # what the workers build: no devices in them
+        source = grain.MapDataset.range(len(steps)).map(BuildBatch(self.dataset, self.augment, seed, steps, shares))
         # In a worker, its own output buffer holds the batches ahead; read one at a time into it.
         read_ahead = 1 if self.workers else self.depth
         pipeline = source[first_step:].to_iter_dataset(
@@ -319,7 +299,7 @@ class Loader:
                 grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=self.depth),
                 worker_init_fn=functools.partial(_exit_with_parent, os.getpid()),
             )
-        return Batches(iter(pipeline), first_step)
+        return Batches(iter(pipeline), steps, placements, first_step)
 
 
 def _exit_with_parent(parent: int, worker_index: int, worker_count: int) -> None:

@@ -31,7 +31,7 @@ from jaxcnn.models import build_model, cross_entropy, resolve_kernels
 from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
 from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
 from jaxcnn.pipeline.split import Stage, stage_groups, sub_meshes
-from jaxcnn.program import CompiledPart, Program, ProgramSpec
+from jaxcnn.program import Anatomy, CompiledPart, Program, ProgramSpec
 from jaxcnn.saved_model import ModelVariables, flat_variables, path_key
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import DP
@@ -42,6 +42,7 @@ from jaxcnn.sharding.partition import (
     data_sharding,
     place_variables,
 )
+from jaxcnn.sharding.placement import BatchPlacement
 
 
 def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tuple[int, ...] | None) -> Program:
@@ -247,30 +248,39 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
                  CompiledPart("update", prog["update"], 1, data_ways)] for prog in programs]  # fmt: skip
     program = Program(
         spec=spec,
-        batch_shardings=(image_sh, label_sh),
-        eval_shardings=(eval_image_sh, eval_vec_sh, eval_vec_sh),
-        placements=placements,
-        compute_placements=placements,
-        num_params=sum(math.prod(r.shape) for r in placements if not r.path.endswith(("mean", "var"))),
         init=schedule.init,
         train_step=schedule.train_step,
         eval_step=schedule.eval_step,
+        train_input=BatchPlacement(
+            images=jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sh),
+            labels=jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sh),
+        ),
+        eval_input=BatchPlacement(
+            images=jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=eval_image_sh),
+            labels=vec,
+            mask=fvec,
+        ),
+        anatomy=Anatomy(
+            stages=per_step,
+            placements=placements,
+            compute_placements=placements,
+            stage_param_bytes=param_bytes,
+            stage_optimizer_bytes=opt_bytes,
+            boundary_bytes=[2 * m * b // data_ways for b in act_bytes[:-1]],  # activations forward, gradients back
+            boundary_transfers=2 * m if num_stages > 1 else 0,
+            bubble_fraction=bubble_fraction(num_stages, m),
+            microbatches=m,
+            layer_groups=groups,
+        ),
+        num_params=sum(math.prod(r.shape) for r in placements if not r.path.endswith(("mean", "var"))),
         compile_seconds=compilation.seconds,
         lower_seconds=lower_seconds,
         compile_timings=compilation.timings,
-        stages=per_step,
-        stage_param_bytes=param_bytes,
-        stage_optimizer_bytes=opt_bytes,
-        boundary_bytes=[2 * m * b // data_ways for b in act_bytes[:-1]],  # activations forward, gradients back
-        boundary_transfers=2 * m if num_stages > 1 else 0,
-        bubble_fraction=bubble_fraction(num_stages, m),
-        microbatches=m,
-        layer_groups=groups,
     )
     program.record = {
         "stages": [list(g) for g in groups],
         "microbatches": m,
-        "bubble_fraction": program.bubble_fraction,
+        "bubble_fraction": program.anatomy.bubble_fraction,
         "stage_param_bytes_per_device": param_bytes,
         "stage_optimizer_bytes_per_device": opt_bytes,
         "bytes_between_stages_per_step": 2 * m * sum(act_bytes[:-1]),  # whole arrays, every boundary
@@ -313,13 +323,14 @@ def with_shardings(tree, shardings):
 
 def describe(program: Program, groups: list[range], microbatches: int) -> str:
     """The stage table printed before a pipeline run."""
-    whole = sum(program.stage_param_bytes)
+    anatomy = program.anatomy
+    whole = sum(anatomy.stage_param_bytes)
     lines = [
         f"pipeline: {len(groups)} stages x {microbatches} micro-batches of "
-        f"{program.batch_size // microbatches}; bubble (S-1)/(M+S-1) = {program.bubble_fraction:.1%}"
+        f"{program.batch_size // microbatches}; bubble (S-1)/(M+S-1) = {anatomy.bubble_fraction:.1%}"
     ]
     for s, (group, pb, ob) in enumerate(
-        zip(groups, program.stage_param_bytes, program.stage_optimizer_bytes, strict=True)
+        zip(groups, anatomy.stage_param_bytes, anatomy.stage_optimizer_bytes, strict=True)
     ):
         lines.append(
             f"  stage {s}: layers {group.start}-{group.stop - 1}, parameters {pb:,} B per device "

@@ -1,9 +1,19 @@
 """Layouts and their placement: logical axes, meshes, layouts (typed rules tables),
-partitioning. Nothing here knows a model, an optimizer or a training loop; the tools that
+partitioning, and batches placed on the devices (placement). Nothing here knows a model, an optimizer or a training loop; the tools that
 read a compiled program back live in `jaxcnn.analysis`."""
 
 from jaxcnn.sharding.layouts import LAYOUTS, Layout, compose, get_layout, parse_rules
-from jaxcnn.sharding.mesh import ParallelDims, build_mesh, format_mesh, parse_mesh, resolve_mesh, simulate_cpu_devices
+from jaxcnn.sharding.mesh import (
+    ParallelDims,
+    build_mesh,
+    format_mesh,
+    layout_for,
+    mesh_for,
+    parse_mesh,
+    resolve_mesh,
+    simulate_cpu_devices,
+    simulate_devices_for,
+)
 from jaxcnn.sharding.partition import (
     ParamPlacement,
     ShardingWarning,
@@ -15,9 +25,12 @@ from jaxcnn.sharding.partition import (
     place_variables,
     quiet_fallbacks,
 )
+from jaxcnn.sharding.placement import BatchPlacement, BatchShare, to_global
 
 __all__ = [
     "LAYOUTS",
+    "BatchPlacement",
+    "BatchShare",
     "Layout",
     "ParallelDims",
     "ParamPlacement",
@@ -30,6 +43,8 @@ __all__ = [
     "data_sharding",
     "format_mesh",
     "get_layout",
+    "layout_for",
+    "mesh_for",
     "param_spec",
     "parse_mesh",
     "parse_rules",
@@ -37,4 +52,6 @@ __all__ = [
     "quiet_fallbacks",
     "resolve_mesh",
     "simulate_cpu_devices",
+    "simulate_devices_for",
+    "to_global",
 ]

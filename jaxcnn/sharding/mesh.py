@@ -1,8 +1,14 @@
-"""Mesh flags ("data=4,model=2") -> a `jax.sharding.Mesh`, and simulated CPU devices."""
+"""A run's parallel config -> its layout and `jax.sharding.Mesh`, and simulated CPU devices.
+
+simulate_devices_for(config.parallel)          # on a CPU-only machine, before JAX starts
+layout, mesh = mesh_for(config.parallel)       # train, predict, evaluate, compare, scale, bench
+"""
 
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -10,11 +16,53 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxcnn.errors import UserError
+from jaxcnn.run_config import DEFAULT_SIMULATED_DEVICES, ParallelConfig
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.axes import MESH_AXES
-from jaxcnn.sharding.layouts import Layout
+from jaxcnn.sharding.layouts import Layout, get_layout, parse_rules
 
 MeshShape = dict[str, int]
+
+
+def layout_for(parallel: ParallelConfig) -> Layout:
+    """The layout a config names: its rules table, else the named layout."""
+    return parse_rules(parallel.layout_rules) if parallel.layout_rules else get_layout(parallel.layout)
+
+
+def mesh_shape_for(parallel: ParallelConfig) -> tuple[Layout, MeshShape]:
+    """(layout, mesh shape, a -1 still unresolved), checked against each other without devices:
+    every axis the layout splits over is in the mesh; unused axes are a warning."""
+    layout = layout_for(parallel)
+    shape = parse_mesh(parallel.mesh or layout.default_mesh)
+    for note in ParallelDims(layout, shape).notes:
+        warnings.warn(note, stacklevel=2)
+    return layout, shape
+
+
+def simulate_devices_for(parallel: ParallelConfig, processes: int = 1) -> None:
+    """On a CPU-only machine, give JAX the devices the mesh needs (--host-devices decides when
+    given; the processes of a multi-process run share the mesh's). Must run before JAX
+    touches a device; on an accelerator it only shapes the unused CPU backend."""
+    _, shape = mesh_shape_for(parallel)
+    count = host_devices_for(shape, parallel.host_devices, DEFAULT_SIMULATED_DEVICES)
+    if processes > 1 and parallel.host_devices is None:
+        count = max(count // processes, 1)
+    simulate_cpu_devices(count, at_least=parallel.host_devices is None)
+
+
+def mesh_for(parallel: ParallelConfig, devices: Sequence | None = None) -> tuple[Layout, Mesh]:
+    """The layout and the mesh a config names, over `devices` (default: every device): a -1
+    fills them, a mesh of fixed sizes takes the first it needs (a --mesh that leaves some
+    idle is warned about). Bad input fails here, before anything is compiled."""
+    layout, shape = mesh_shape_for(parallel)
+    devices = list(jax.devices() if devices is None else devices)
+    count = devices_needed(shape) or len(devices)
+    if count > len(devices):
+        hint = f"; on a CPU machine, --host-devices {count}" if devices[0].platform == "cpu" else ""
+        raise UserError(f"mesh {format_mesh(shape)} needs {count} devices but {len(devices)} exist{hint}")
+    if count < len(devices) and parallel.mesh:  # (a layout's own fixed mesh -- single's -- is no surprise)
+        warnings.warn(f"mesh {format_mesh(shape)} uses {count} of the {len(devices)} devices", stacklevel=2)
+    return layout, build_mesh(resolve_mesh(shape, count), devices[:count])
 
 
 def parse_mesh(text: str) -> MeshShape:

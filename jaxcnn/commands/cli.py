@@ -1,7 +1,11 @@
-"""Flags shared by the experiment scripts, and the wrapper that turns bad input into one line.
+"""The flags the commands and experiment scripts share, and the wrapper that turns bad
+input into one line.
 
-Scripts stay thin: they build a parser from these groups, turn the flags into configs
-with the `*_from_flags` helpers, call the library and write results.
+Each flag is named for the config field it sets (jaxcnn.run_config: `--grad-accum` sets
+`UpdateConfig.grad_accum`), so the flags become configs by name: `RunConfig.from_flags`
+for a training run, `model_from_flags` for the scripts that need one part. Scripts stay
+thin: they build a parser from these groups, turn the flags into configs, call the
+library and write results.
 
 This module imports nothing that starts JAX at import time (the helpers that need the
 sharding, data or results modules import them when called), so a command line can parse
@@ -12,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -39,11 +42,9 @@ from jaxcnn.config import (
     ModelConfig,
     OptimConfig,
     TrainConfig,
-    UpdateConfig,
 )
 from jaxcnn.errors import UserError
-
-DEFAULT_SIMULATED_DEVICES = 8
+from jaxcnn.run_config import DEFAULT_SIMULATED_DEVICES, DataConfig, ParallelConfig, part_from_flags
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -226,9 +227,10 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     g.add_argument("--seed", type=int, default=defaults_t.seed)
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults_o.name)
-    g.add_argument("--lr", type=float, default=defaults_o.learning_rate, help="peak learning rate")
+    g.add_argument("--learning-rate", "--lr", type=float, default=defaults_o.learning_rate, help="peak learning rate")
     g.add_argument("--schedule", choices=SCHEDULES, default=defaults_o.schedule)
     g.add_argument("--warmup-steps", type=int, default=defaults_o.warmup_steps)
+    g.add_argument("--warmup-from", type=float, default=defaults_o.warmup_from, help="the rate the warmup starts at")
     g.add_argument("--weight-decay", type=float, default=defaults_o.weight_decay, help="adamw only")
     g.add_argument("--momentum", type=float, default=defaults_o.momentum, help="sgd only")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step, gradients summed")
@@ -346,63 +348,29 @@ def writable_outputs(*paths) -> list[Path | None]:
 def data_from_flags(args, num_classes: int):
     """(image shape, the training set in memory: --dataset's, or --data's CSV or image folder);
     with --synthetic, (its shape, None)."""
-    from jaxcnn.data import load_named, load_source, parse_image_shape
+    from jaxcnn.data import load_datasets, parse_image_shape
 
-    if args.synthetic:
-        return parse_image_shape(args.synthetic), None
-    if getattr(args, "dataset", "digits") != "digits":
-        data = load_named(args.dataset, args.data_dir, args.download)[0]
-    else:
-        data = load_source(args.data, channels=args.channels, num_classes=num_classes, image_size=args.image_size)
-    return data.image_shape, data.loaded()
+    data = part_from_flags(DataConfig, vars(args))
+    if data.synthetic:
+        return parse_image_shape(data.synthetic), None
+    train_set, _ = load_datasets(data, num_classes, with_test=False)
+    return train_set.image_shape, train_set.loaded()
 
 
-def experiment_mesh(layout_name: str, mesh_text: str | None) -> tuple:
-    """The set-up the experiment scripts share: the layout, its mesh (checked against it;
-    default: the layout's), the devices simulated on a CPU machine, the mesh's -1
-    resolved. Bad input fails here, before any compile."""
-    import jax
+def mesh_from_flags(args) -> tuple:
+    """(layout, mesh) as --layout, --layout-rules, --mesh and --host-devices name them
+    (jaxcnn.sharding.mesh_for), CPU devices simulated first where there is no accelerator.
+    Bad input fails here, before any compile."""
+    from jaxcnn.sharding import mesh_for, simulate_devices_for
 
-    from jaxcnn.sharding import ParallelDims, get_layout, parse_mesh, resolve_mesh, simulate_cpu_devices
-
-    layout = get_layout(layout_name)
-    mesh_shape = parse_mesh(mesh_text or layout.default_mesh)
-    for note in ParallelDims(layout, mesh_shape).notes:
-        warnings.warn(note, stacklevel=2)
-    simulate_cpu_devices(max(abs(v) for v in mesh_shape.values()), at_least=True)
-    return layout, resolve_mesh(mesh_shape, len(jax.devices()))
-
-
-def configs_from_flags(args) -> tuple[ModelConfig, OptimConfig, TrainConfig, UpdateConfig]:
-    """The four configs a training run takes, each checked as it is built."""
-    return model_from_flags(args), optim_from_flags(args), train_from_flags(args), update_from_flags(args)
-
-
-def config_from_flags(cls, args, **flag_for_field):
-    """A config dataclass from the parsed flags: each field from the flag of the same name
-    (or the one `flag_for_field` names); fields without a flag keep their defaults."""
-    values = {}
-    for f in dataclasses.fields(cls):
-        flag = flag_for_field.get(f.name, f.name)
-        if hasattr(args, flag):
-            values[f.name] = getattr(args, flag)
-    return cls(**values)
+    parallel = part_from_flags(ParallelConfig, vars(args))
+    simulate_devices_for(parallel)
+    return mesh_for(parallel)
 
 
 def model_from_flags(args) -> ModelConfig:
-    return config_from_flags(ModelConfig, args, name="model")
-
-
-def optim_from_flags(args) -> OptimConfig:
-    return config_from_flags(OptimConfig, args, name="optimizer", learning_rate="lr")
-
-
-def train_from_flags(args) -> TrainConfig:
-    return config_from_flags(TrainConfig, args)
-
-
-def update_from_flags(args) -> UpdateConfig:
-    return config_from_flags(UpdateConfig, args)
+    """The model the scripts' --model flags name (a training run's: RunConfig.from_flags)."""
+    return part_from_flags(ModelConfig, vars(args), "model")
 
 
 @contextlib.contextmanager
