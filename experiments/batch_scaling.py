@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from jaxcnn import plots, results
 from jaxcnn.build import build_programs
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import load_csv
 from jaxcnn.errors import UserError
@@ -30,7 +30,7 @@ COLUMNS = [
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
+    run_flags.add_model_flags(parser)
     g = parser.add_argument_group("experiment")
     cli.add_dataset_flags(g, test_help="a labelled CSV to measure accuracy on")
     cli.add_layout_flags(g)

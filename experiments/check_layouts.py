@@ -47,7 +47,7 @@ from jaxcnn.analysis.hlo import KINDS
 from jaxcnn.analysis.lint import lint_program
 from jaxcnn.analysis.measure import stage_options
 from jaxcnn.build import build_program
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
 from jaxcnn.data import Dataset, batch_indices, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
@@ -104,8 +104,8 @@ class Case(NamedTuple):
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
-    cli.add_data_flags(parser)
+    run_flags.add_model_flags(parser)
+    run_flags.add_data_flags(parser)
     g = parser.add_argument_group("check")
     g.add_argument(
         "--sizes",

@@ -29,7 +29,7 @@ from pathlib import Path
 from jaxcnn import plots, results
 from jaxcnn.analysis.verdicts import INPUT_BOUND
 from jaxcnn.build import build_program
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import Loader, load_image_folder, load_named, synthetic_dataset
 from jaxcnn.data.folders import parse_image_size, write_image_folder
@@ -48,7 +48,7 @@ COLUMNS = [
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
+    run_flags.add_model_flags(parser)
     g = parser.add_argument_group("input bound")
     g.add_argument("--dataset", default="fashion-mnist", help="the dataset to write as JPEGs (default %(default)s)")
     g.add_argument("--data-dir", help="where --dataset's files are")

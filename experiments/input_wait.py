@@ -23,7 +23,7 @@ import numpy as np
 from jaxcnn import results
 from jaxcnn.analysis.measure import time_steps
 from jaxcnn.build import build_program
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.data import Loader, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
@@ -55,7 +55,7 @@ class DelayedLoader:
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
+    run_flags.add_model_flags(parser)
     g = parser.add_argument_group("input wait")
     g.add_argument("--delays-ms", type=cli.int_list, default=(30, 100), help="loader delays per batch (ms)")
     g.add_argument("--synthetic", default="28x28x1", help="image shape HxWxC (default %(default)s)")

@@ -23,7 +23,7 @@ import statistics
 from jaxcnn import results
 from jaxcnn.analysis.measure import random_batch, time_steps
 from jaxcnn.build import build_program
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.config import OptimConfig, TrainConfig, epoch_steps
 from jaxcnn.data import Loader, load_named
 from jaxcnn.errors import UserError
@@ -40,7 +40,7 @@ COLUMNS = [
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
+    run_flags.add_model_flags(parser)
     g = parser.add_argument_group("experiment")
     g.add_argument("--dataset", default="fashion-mnist", help="a named dataset (default %(default)s)")
     g.add_argument("--data-dir", help="where --dataset's files are")

@@ -15,7 +15,7 @@ import dataclasses
 
 from jaxcnn import plots, results
 from jaxcnn.analysis.measure import measure_layout
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.config import REMAT_POLICIES
 from jaxcnn.data import parse_image_shape
 from jaxcnn.errors import UserError
@@ -30,7 +30,7 @@ COLUMNS = [
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
+    run_flags.add_model_flags(parser)
     g = parser.add_argument_group("experiment")
     g.add_argument("--synthetic", default="224x224x3", metavar="HxWxC", help="image shape (default %(default)s)")
     cli.add_layout_flags(g)

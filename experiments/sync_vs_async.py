@@ -16,7 +16,7 @@ from __future__ import annotations
 from jaxcnn import plots, results
 from jaxcnn.analysis.hlo import collectives
 from jaxcnn.build import build_program
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.config import OptimConfig, TrainConfig, UpdateConfig, total_steps
 from jaxcnn.data import load_csv
 from jaxcnn.fit import fit
@@ -38,7 +38,7 @@ COLUMNS = [
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
+    run_flags.add_model_flags(parser)
     g = parser.add_argument_group("experiment")
     cli.add_dataset_flags(g, test_help="a labelled CSV to measure accuracy on")
     cli.add_layout_flags(g, layout="dp", mesh="data=8", mesh_help=None)

@@ -13,7 +13,7 @@ works on; see jaxcnn/analysis/hlo.py); comm_wire_bytes[_model] give ring traffic
 
 from __future__ import annotations
 
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.errors import UserError
 from jaxcnn.run_config import ParallelConfig
 
@@ -22,8 +22,8 @@ PROG = "jaxcnn compare"
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
-    cli.add_data_flags(parser)
+    run_flags.add_model_flags(parser)
+    run_flags.add_data_flags(parser)
     g = parser.add_argument_group("comparison")
     cli.add_layouts_flag(g)
     cli.add_devices_flag(g, help="devices for each layout")

@@ -14,7 +14,7 @@ jaxcnn plan --model resnet50 --synthetic 224x224x3 --num-classes 1000 --batch-si
 from __future__ import annotations
 
 from jaxcnn.analysis.hardware import PROFILES, get_profile
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.config import parse_bytes
 from jaxcnn.errors import UserError
 
@@ -23,8 +23,8 @@ PROG = "jaxcnn plan"
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
-    cli.add_data_flags(parser)
+    run_flags.add_model_flags(parser)
+    run_flags.add_data_flags(parser)
     g = parser.add_argument_group("plan")
     cli.add_devices_flag(g)
     g.add_argument("--budget", default="16GiB", help="memory per device, e.g. 16GiB, 80GB, 512MiB")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from jaxcnn.analysis.hardware import get_profile
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.config import OptimConfig, TrainConfig
 from jaxcnn.errors import UserError
 from jaxcnn.run_config import ParallelConfig
@@ -27,8 +27,8 @@ PROG = "jaxcnn scale"
 
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
-    cli.add_model_flags(parser)
-    cli.add_data_flags(parser)
+    run_flags.add_model_flags(parser)
+    run_flags.add_data_flags(parser)
     g = parser.add_argument_group("scaling")
     g.add_argument("--layout", default="dp")
     cli.add_devices_flag(g, default=(1, 2, 4, 8), help="device counts, e.g. 1,2,4,8", type=cli.int_list)

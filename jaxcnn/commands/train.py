@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxcnn.commands import cli
+from jaxcnn.commands import cli, run_flags
 from jaxcnn.run_config import RunConfig
 
 PROG = "jaxcnn train"
@@ -27,11 +27,11 @@ DEFAULT_RESULTS_DIR = "runs"
 
 def parser() -> cli.FlagParser:
     parser = cli.FlagParser(prog=PROG, description=__doc__)
-    cli.add_model_flags(parser)
-    cli.add_data_flags(parser)
-    cli.add_mesh_flags(parser)
-    cli.add_train_flags(parser)
-    cli.add_run_flags(parser)
+    run_flags.add_model_flags(parser)
+    run_flags.add_data_flags(parser)
+    run_flags.add_mesh_flags(parser)
+    run_flags.add_train_flags(parser)
+    run_flags.add_run_flags(parser)
     g = parser.add_argument_group("output")
     g.add_argument("--results-dir", default=DEFAULT_RESULTS_DIR, help="where run directories go")
     g.add_argument("--run-name", help="the run directory's name (default: <model>-<layout>-<mesh>)")
