@@ -25,6 +25,8 @@ from jaxcnn.sharding.partition import ParamPlacement, place_variables
 from jaxcnn.spmd import build_spmd_program
 from jaxcnn.steps import split_model
 
+IMAGE_DTYPES = ("float32", "uint8")  # what a batch's pixels may be
+
 
 def build_program(
     model_config: ModelConfig | CustomModel,
@@ -43,6 +45,7 @@ def build_program(
     microbatches: int | None = None,
     stage_split: tuple[int, ...] | None = None,
     compiler_options: dict | None = None,
+    image_dtype: str = "float32",
 ) -> Program:
     """Compile the init, train and eval steps of one (model, layout, mesh, batch size);
     the model one of jaxcnn's (a ModelConfig) or your own (jaxcnn.models.CustomModel).
@@ -51,7 +54,11 @@ def build_program(
     cost inspection and planning, which only read the train step). `update` picks the
     step's update rule (jaxcnn.steps: accumulation, local SGD, stale gradients);
     `microbatches` and `stage_split` shape a pipeline. `compiler_options` replace
-    jaxcnn's XLA options for the steps (None: jaxcnn.compiling's for the platform)."""
+    jaxcnn's XLA options for the steps (None: jaxcnn.compiling's for the platform).
+    `image_dtype` is the batches' pixels: "float32" in [0, 1], or "uint8" (an image
+    folder's bytes), scaled to [0, 1] inside every compiled step (jaxcnn.models.unit_pixels)."""
+    if image_dtype not in IMAGE_DTYPES:
+        raise UserError(f"image dtype {image_dtype!r}: one of {', '.join(IMAGE_DTYPES)}")
     eval_batch_size = eval_batch_size or batch_size
     update = update or UpdateConfig()
     check_layout_options(bool(layout.stage_axis), update, microbatches, stage_split)
@@ -66,6 +73,7 @@ def build_program(
         model_config=model_config, optim_config=optim_config, layout=layout, mesh=mesh, image_shape=image_shape,
         batch_size=batch_size, total_steps=total_steps, seed=seed, eval_batch_size=eval_batch_size,
         with_eval=with_eval, with_init=with_init, update=update, compiler_options=compiler_options,
+        image_dtype=image_dtype,
     )  # fmt: skip
     if layout.stage_axis:
         if isinstance(model_config, CustomModel):

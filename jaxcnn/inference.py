@@ -62,8 +62,10 @@ def load_predictor(
     layout: Layout,
     mesh: Mesh,
     batch_size: int,
+    image_dtype: str = "float32",
 ) -> Predictor:
-    """The model in `model_dir` placed by `layout` on `mesh`, its forward pass compiled."""
+    """The model in `model_dir` placed by `layout` on `mesh`, its forward pass compiled for
+    batches of `image_dtype` pixels (uint8: an image folder's, scaled in the step)."""
     if layout.stage_axis:
         raise UserError("predict and evaluate run one SPMD program: use --layout dp (the default) or any but pipeline")
     ParallelDims(layout, dict(mesh.shape)).validate(batch_size, image_shape=image_shape)
@@ -76,7 +78,7 @@ def load_predictor(
         with activation_layout(layout, mesh):
             return call(model, images, train=False).astype(jnp.float32)
 
-    images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sharding)
+    images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.dtype(image_dtype), sharding=image_sharding)
     step = (
         jax.jit(logits_of, out_shardings=NamedSharding(mesh, P()))
         .lower(template.params, template.stats, images)

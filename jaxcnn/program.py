@@ -42,6 +42,7 @@ class ProgramSpec:
     with_init: bool  # compile init (SPMD; a pipeline always does)
     update: UpdateConfig
     compiler_options: dict | None  # None: jaxcnn.compiling's for the platform
+    image_dtype: str = "float32"  # the batches' pixels: float32 in [0, 1], or uint8 scaled in the step
 
 
 class CompiledPart(NamedTuple):

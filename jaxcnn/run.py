@@ -25,6 +25,7 @@ from jaxcnn.analysis.cost import auto_batch
 from jaxcnn.analysis.lint import format_report, lint_program
 from jaxcnn.build import build_programs
 from jaxcnn.data import Augment, Loader, load_datasets
+from jaxcnn.data.crops import RandomResizedCrop
 from jaxcnn.distributed import cluster_from, initialize
 from jaxcnn.fit import interrupt_requests
 from jaxcnn.recovery import PROG, fit_in_run_dir, open_checkpoints, report_stop
@@ -45,7 +46,7 @@ def train(config: RunConfig) -> dict:
     if output.run_name:  # the default name needs the mesh; this one can be checked before anything slow
         _check_run_dir(config, results_dir / output.run_name)
     train_set, test_set = load_datasets(data, config.model.num_classes, config.train.seed)
-    augment = Augment(data.augment_shift, data.augment_flip)
+    augment = RandomResizedCrop() if data.augment == "imagenet" else Augment(data.augment_shift, data.augment_flip)
     loader = Loader(train_set, augment=augment, workers=data.workers_for(train_set.in_memory), depth=data.prefetch)
 
     cluster = cluster_from(config.cluster.coordinator, config.cluster.num_processes, config.cluster.process_id)
@@ -64,6 +65,7 @@ def train(config: RunConfig) -> dict:
     programs = build_programs(
         config.model, config.optim, layout, mesh, train_set.image_shape, train_config, len(train_set),
         update=config.update, microbatches=config.parallel.microbatches, stage_split=config.parallel.stage_split,
+        image_dtype=train_set.images.dtype.name,
     )  # fmt: skip
     program = programs[train_config.batch_size]
     if program.description and lead:

@@ -27,6 +27,7 @@ from jaxcnn.errors import UserError
 
 BUNDLED_DATASET = "digits"  # the CSVs in data/: the default --dataset
 DEFAULT_SIMULATED_DEVICES = 8  # on a CPU-only machine, when neither the mesh nor --host-devices says
+AUGMENTS = ("none", "imagenet")  # --augment: imagenet is jaxcnn.data.crops' recipe for image folders
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class DataConfig:
     channels: int = 1
     synthetic: str | None = None  # "HxWxC": random images instead of files
     synthetic_size: int = 1024
+    augment: str = "none"  # one of AUGMENTS
     augment_shift: int = 0
     augment_flip: bool = False
     input_workers: int | None = None  # None: 0 for data in memory, one per core for files
@@ -59,6 +61,12 @@ class DataConfig:
             raise UserError("--channels and --synthetic-size must be positive integers")
         if self.augment_shift < 0:
             raise UserError(f"--augment-shift must be >= 0, got {self.augment_shift}")
+        if self.augment not in AUGMENTS:
+            raise UserError(f"unknown --augment {self.augment!r}; use one of {', '.join(AUGMENTS)}")
+        if self.augment == "imagenet" and (self.augment_shift or self.augment_flip):
+            raise UserError(
+                "--augment imagenet crops and flips on its own; drop --augment-shift/--augment-flip (for data in memory)"
+            )
 
     def workers_for(self, in_memory: bool) -> int:
         """--input-workers, or its default: none for data already in memory (gathering rows

@@ -101,10 +101,11 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     abstract_state = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, state_shardings
     )
-    images = jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sharding)
+    pixels = jnp.dtype(spec.image_dtype)  # uint8: scaled in the step (jaxcnn.models.call)
+    images = jax.ShapeDtypeStruct((batch_size, *image_shape), pixels, sharding=image_sharding)
     labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=vector_sharding)
     eval_input = BatchPlacement(
-        images=jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=image_sharding),
+        images=jax.ShapeDtypeStruct((eval_batch_size, *image_shape), pixels, sharding=image_sharding),
         labels=jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=vector_sharding),
         mask=jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=vector_sharding),
     )

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 
 from jaxcnn import compile_cache
-from jaxcnn.commands import COMMANDS, cli
+from jaxcnn.commands import COMMANDS, cli, module_name
 from jaxcnn.compiling import Compilation
 from jaxcnn.errors import UserError
 
@@ -97,7 +97,7 @@ def test_the_default_directory_is_jaxcnn_cache_else_under_the_users_cache(monkey
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_every_command_offers_compile_cache(command, capsys):
     with pytest.raises(SystemExit) as done:
-        importlib.import_module(f"jaxcnn.commands.{command}").parse_flags(["--help"])
+        importlib.import_module(f"jaxcnn.commands.{module_name(command)}").parse_flags(["--help"])
     assert done.value.code == 0 and "--compile-cache DIR|off" in capsys.readouterr().out
 
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, load_train_module, write_digits_csv, write_folder
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxcnn.commands import COMMANDS, cli, evaluate, predict
+from jaxcnn.commands import COMMANDS, cli, evaluate, module_name, predict
 from jaxcnn.config import LAYOUT_NAMES, ModelConfig
 from jaxcnn.run_config import RunConfig
 from jaxcnn.saved_model import flat_variables, model_template, restore_model
@@ -308,7 +308,7 @@ def test_a_second_ctrl_c_exits_at_once():
 
 def _parser_of(command: str, monkeypatch) -> cli.FlagParser:
     """The parser `jaxcnn <command>` builds, caught as it is asked to parse."""
-    module = importlib.import_module(f"jaxcnn.commands.{command}")
+    module = importlib.import_module(f"jaxcnn.commands.{module_name(command)}")
     caught = []
 
     def catch(self, args=None, namespace=None):

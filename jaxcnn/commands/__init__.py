@@ -24,7 +24,14 @@ COMMANDS = {
     "scale": "scaling report: a layout on 1, 2, 4, ... devices, and whether scaling out pays",
     "plan": "rank every layout x mesh for N devices on a hardware profile, within a memory budget",
     "bench": "benchmark one train step: median time, images/s, compile time, MFU",
+    "prepare": "store a folder or dataset once as pre-resized shards (raw uint8 or small JPEG) that --data reads",
+    "bench-input": "the input pipeline alone: images/s per core for each source and worker count; cores for a rate",
 }
+
+
+def module_name(command: str) -> str:
+    """The module under jaxcnn.commands that runs `command` (bench-input -> bench_input)."""
+    return command.replace("-", "_")
 
 
 def usage() -> str:
@@ -44,5 +51,5 @@ def main(argv: list[str] | None = None) -> None:
             f"jaxcnn: error: unknown command {name!r}; use one of {', '.join(COMMANDS)} (see --help)", file=sys.stderr
         )
         sys.exit(2)
-    command = importlib.import_module(f"jaxcnn.commands.{name}")
+    command = importlib.import_module(f"jaxcnn.commands.{module_name(name)}")
     cli.run_main(command.PROG, lambda: command.main(rest))

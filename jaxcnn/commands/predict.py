@@ -71,9 +71,10 @@ def load_model_and_data(args, need_labels: bool):
         if not path.exists():
             raise UserError(f"--data {path} not found; pass a CSV or a folder of images")
         size = f"{image_shape[0]}x{image_shape[1]}" if path.is_dir() else None  # images resized to the model's input
+        fit = "centre" if config.data.augment == "imagenet" else "resize"  # a run trained on crops sees the centre
         dataset = load_source(
             path, channels=config.data.channels, num_classes=config.model.num_classes, image_size=size,
-            classes=class_names(run), need_labels=need_labels,
+            classes=class_names(run), need_labels=need_labels, fit=fit,
         )  # fmt: skip
         name = path.stem or path.name
     if dataset.image_shape != image_shape:
@@ -92,7 +93,9 @@ def load_model_and_data(args, need_labels: bool):
     batch = args.batch_size or config.train.eval_batch_size or config.train.batch_size
     if args.batch_size is None:
         batch = math.ceil(batch / data_ways) * data_ways  # the run's batch, rounded up to split evenly
-    predictor = load_predictor(run.model_dir, config.model, image_shape, layout, mesh, batch)
+    predictor = load_predictor(
+        run.model_dir, config.model, image_shape, layout, mesh, batch, image_dtype=dataset.images.dtype.name
+    )
     return run, dataset, predictor, name
 
 

@@ -30,7 +30,7 @@ from jaxcnn.config import (
     OptimConfig,
     TrainConfig,
 )
-from jaxcnn.run_config import DEFAULT_SIMULATED_DEVICES
+from jaxcnn.run_config import AUGMENTS, DEFAULT_SIMULATED_DEVICES
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +98,11 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--channels", type=int, default=1, help="channels per pixel: CSV columns (HWC), folder images' mode")
     g.add_argument("--synthetic", metavar="HxWxC", help="random images of this shape instead of the CSVs")
     g.add_argument("--synthetic-size", type=int, default=1024, help="training images in --synthetic mode")
+    g.add_argument(
+        "--augment", choices=AUGMENTS, default="none",
+        help="imagenet: an image folder's training images random-resized-cropped to --image-size and flipped as they "
+        "are decoded, evaluation and predict centre-cropped (torchvision's ImageNet recipe); default: none",
+    )  # fmt: skip
     g.add_argument("--augment-shift", type=int, default=0, help="random shifts of up to N pixels (host side)")
     g.add_argument("--augment-flip", action="store_true", help="random horizontal flips (host side)")
     g.add_argument(

@@ -29,6 +29,7 @@ import numpy as np
 from jaxcnn.config import BUNDLED_TEST, BUNDLED_TRAIN
 from jaxcnn.data.folders import load_image_folder, load_unlabelled_folder, parse_image_size, split_validation
 from jaxcnn.data.idx import read_idx
+from jaxcnn.data.shards import is_prepared, load_shards
 from jaxcnn.data.sources import Dataset, load_csv, parse_image_shape, synthetic_dataset
 from jaxcnn.errors import UserError
 from jaxcnn.run_config import BUNDLED_DATASET, DataConfig
@@ -80,6 +81,10 @@ DATASETS = {
     ),
 }
 BUNDLED = BUNDLED_DATASET  # the CSVs in data/: the default, not one of DATASETS
+NOT_CROPPABLE = (
+    "--augment imagenet crops images as they are decoded: it needs --data IMAGE_FOLDER; "
+    "for images in memory use --augment-shift/--augment-flip"
+)
 
 
 def search_dirs(name: str, data_dir: str | Path | None = None) -> list[Path]:
@@ -173,16 +178,25 @@ def _dataset(images: np.ndarray, labels: np.ndarray, images_path: Path, labels_p
 
 def load_source(
     path: str | Path | None, *, channels: int = 1, num_classes: int = 10, image_size: str | None = None,
-    classes: tuple[str, ...] | None = None, need_labels: bool = True,
+    classes: tuple[str, ...] | None = None, need_labels: bool = True, fit: str = "resize",
 ) -> Dataset:  # fmt: skip
-    """`--data` / `--test-data`: a folder of class subfolders, or a CSV (None: the bundled digits).
+    """`--data` / `--test-data`: a folder of class subfolders, a directory of prepared shards
+    (`jaxcnn prepare`), or a CSV (None: the bundled digits).
     Where labels are not needed and `image_size` is given, also a flat folder of images."""
     path = Path(path) if path else BUNDLED_TRAIN
+    if path.is_dir() and is_prepared(path):  # `jaxcnn prepare`'s shards: channels and classes from its manifest
+        size = parse_image_size(image_size) if image_size else None
+        images, labels, names = load_shards(path, image_size=size, classes=classes, fit=fit)
+        if len(names) > num_classes:
+            raise UserError(f"{path} has {len(names)} classes but the model {num_classes}; pass --num-classes")
+        return Dataset(images, labels, str(path), classes=names)
     if path.is_dir() and not need_labels and image_size and not any(p.is_dir() for p in path.iterdir()):
-        return load_unlabelled_folder(path, channels=channels, image_size=parse_image_size(image_size))
+        return load_unlabelled_folder(path, channels=channels, image_size=parse_image_size(image_size), fit=fit)
     if path.is_dir():
         size = parse_image_size(image_size) if image_size else None
-        data = load_image_folder(path, channels=channels, image_size=size, classes=list(classes) if classes else None)
+        data = load_image_folder(
+            path, channels=channels, image_size=size, classes=list(classes) if classes else None, fit=fit
+        )
         if len(data.classes) > num_classes:
             raise UserError(f"{path} has {len(data.classes)} classes but the model {num_classes}; pass --num-classes")
         return data
@@ -198,15 +212,21 @@ def load_datasets(
     or files (a CSV or an image folder) with their test files -- or, for your own training
     files without any, `val_split` of them held out (never the bundled test file beside your
     training file). The test set is decoded into memory (it is evaluated every epoch) unless
-    `decode_test` is False."""
+    `decode_test` is False. With --augment imagenet, images are fitted to the size by the
+    evaluation's centre crop (training reads random crops: jaxcnn.data.crops)."""
+    if config.augment == "imagenet" and (config.synthetic or config.dataset != BUNDLED):
+        raise UserError(NOT_CROPPABLE)
     if config.synthetic:
         shape = parse_image_shape(config.synthetic)
         train_set = synthetic_dataset(shape, config.synthetic_size, num_classes, seed)
         return train_set, synthetic_dataset(shape, max(config.synthetic_size // 4, 1), num_classes, seed + 1)
     if config.dataset != BUNDLED:
         return load_named(config.dataset, config.data_dir, config.download)
-    source = dict(channels=config.channels, num_classes=num_classes, image_size=config.image_size)
+    fit = "centre" if config.augment == "imagenet" else "resize"
+    source = dict(channels=config.channels, num_classes=num_classes, image_size=config.image_size, fit=fit)
     train_set = load_source(config.data, **source)
+    if config.augment == "imagenet" and not hasattr(train_set.images, "crops"):
+        raise UserError(NOT_CROPPABLE)
     if not with_test:
         return train_set, None
     if config.test_data or not config.data:
@@ -216,5 +236,10 @@ def load_datasets(
     if test_set.image_shape != train_set.image_shape:
         raise UserError(
             f"test images are {test_set.image_shape}, training images {train_set.image_shape}; use matching files"
+        )
+    if test_set.images.dtype != train_set.images.dtype:  # one compiled program takes both
+        raise UserError(
+            f"test images are {test_set.images.dtype}, training images {train_set.images.dtype} (an image folder's "
+            "pixels travel as uint8 bytes, a CSV's as floats); use test data of the training data's kind"
         )
     return train_set, test_set.loaded() if decode_test else test_set

@@ -7,7 +7,12 @@ Loading reads only each file's header (format and size); the pixels are decoded 
 batch needs them (`ImageFiles`), in the input pipeline's worker processes -- so a folder
 larger than memory trains, and decoding is the input cost it really is. Each image is
 converted to `channels` (1: grey, 3: RGB, 4: RGBA) and resized to `image_size` (H, W;
-bilinear) when given; without it every image must already share one size. A file that
+bilinear) when given; without it every image must already share one size. With
+`fit="centre"` (--augment imagenet) an image is instead resized to cover `image_size` and
+its centre kept, and training reads random crops of it (`crops`, jaxcnn.data.crops): only
+the crop is resampled, and a JPEG much larger than it is decoded at a reduced scale
+(`Image.draft`). Pixels stay uint8 (0-255) all the way to the devices, which scale them
+(jaxcnn.models.unit_pixels): a quarter of float32's bytes to move. A file that
 cannot be decoded stops the run, naming it (at load if its header is broken, at its first
 batch otherwise): a damaged training set should be fixed, not silently shrunk. With no
 test folder, `split_validation` holds out a stratified fraction.
@@ -16,6 +21,7 @@ test folder, `split_validation` holds out a stratified fraction.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -25,11 +31,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from jaxcnn.data.crops import Box, centre_box, draft_reduction, example_crop, random_box
 from jaxcnn.data.sources import Dataset
 from jaxcnn.errors import UserError
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
 MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+FITS = ("resize", "centre")  # an image to `image_size`: resized whole, or its centre crop
 _DECODE_ERRORS = (UnidentifiedImageError, OSError, SyntaxError, ValueError)
 
 
@@ -67,21 +75,55 @@ def _decode(path: str, channels: int, image_size: tuple[int, int]) -> np.ndarray
         raise UserError(f"image {path} cannot be decoded ({err}); fix or remove it") from None
 
 
+def decode_box(
+    path: str, channels: int, image_size: tuple[int, int], box_of, *, flip: bool = False, draft: bool = True
+) -> np.ndarray:
+    """The part `box_of(height, width)` of the image at `path`, resized to `image_size`
+    (bilinear) as it is cut -- the rest is never resampled -- and flipped left-right with
+    `flip`. With `draft`, a JPEG whose box is at least twice `image_size` is decoded at 1/2,
+    1/4 or 1/8 scale in the DCT domain (the largest that keeps the box at least that size)."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            box: Box = box_of(height, width)
+            reduction = draft_reduction(box, image_size) if draft else 1
+            drafted = None
+            if reduction > 1:  # a JPEG then decodes at 1/reduction scale; other formats ignore it (None)
+                mode = MODES[channels] if channels < 4 else None
+                drafted = image.draft(mode, (max(1, width // reduction), max(1, height // reduction)))
+            if drafted is not None:
+                scale = width / drafted[1][2]
+                box = tuple(v / scale for v in box)
+            if image.mode != MODES[channels]:  # (convert copies even when the mode is already right)
+                image = image.convert(MODES[channels])
+            picture = image.resize(image_size[::-1], Image.Resampling.BILINEAR, box=box)
+            pixels = np.asarray(picture, dtype=np.uint8).reshape(*image_size, channels)
+            return pixels[:, ::-1] if flip else pixels
+    except _DECODE_ERRORS as err:
+        raise UserError(f"image {path} cannot be decoded ({err}); fix or remove it") from None
+
+
 @dataclass(frozen=True)
 class ImageFiles:
-    """Images on disk that index like a float32 [N, H, W, C] array in [0, 1]: `files[idx]`
-    decodes just those files. Small and picklable, so the input pipeline's worker
-    processes each get a copy and decode their own batches."""
+    """Images on disk that index like a uint8 [N, H, W, C] array (0-255): `files[idx]`
+    decodes just those files, each fitted to `image_size` as `fit` says (FITS). Small and
+    picklable, so the input pipeline's worker processes each get a copy and decode their
+    own batches."""
 
     paths: tuple[str, ...]
     channels: int
     image_size: tuple[int, int]  # every image is decoded at this (H, W)
+    fit: str = "resize"  # "centre": evaluation's centre crop (--augment imagenet)
+
+    def __post_init__(self):
+        if self.fit not in FITS:
+            raise ValueError(f"fit {self.fit!r}: one of {FITS}")
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (len(self.paths), *self.image_size, self.channels)
 
-    dtype = np.dtype(np.float32)
+    dtype = np.dtype(np.uint8)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -90,14 +132,26 @@ class ImageFiles:
         rows = np.arange(len(self.paths))[index]
         if np.ndim(rows) == 0:
             return self[np.asarray([rows])][0]
-        decoded = [_decode(self.paths[i], self.channels, self.image_size) for i in rows]
-        return np.stack(decoded).astype(np.float32) / 255.0 if decoded else np.zeros((0, *self.shape[1:]), np.float32)
+        if self.fit == "centre":
+            centre = lambda height, width: centre_box(height, width, self.image_size)  # noqa: E731
+            decoded = [decode_box(self.paths[i], self.channels, self.image_size, centre) for i in rows]
+        else:
+            decoded = [_decode(self.paths[i], self.channels, self.image_size) for i in rows]
+        return np.stack(decoded) if decoded else np.zeros((0, *self.shape[1:]), np.uint8)
+
+    def crops(self, rows: np.ndarray, draws: np.ndarray) -> np.ndarray:
+        """The images at `rows`, each a random resized crop (then maybe flipped) as its row of
+        `draws` says (jaxcnn.data.crops.RandomResizedCrop.draws)."""
+        decoded = []
+        for i, draws_D in zip(rows, draws, strict=True):
+            uniforms_A4, flip = example_crop(draws_D)
+            box_of = lambda height, width, u=uniforms_A4: random_box(u, height, width)  # noqa: E731
+            decoded.append(decode_box(self.paths[i], self.channels, self.image_size, box_of, flip=flip))
+        return np.stack(decoded) if decoded else np.zeros((0, *self.shape[1:]), np.uint8)
 
     def subset(self, index) -> ImageFiles:
         """The files at `index` (indices or a boolean mask), still on disk."""
-        return ImageFiles(
-            tuple(self.paths[i] for i in np.arange(len(self.paths))[index]), self.channels, self.image_size
-        )
+        return dataclasses.replace(self, paths=tuple(self.paths[i] for i in np.arange(len(self.paths))[index]))
 
     def decode_all(self) -> np.ndarray:
         """Every image decoded at once, on a thread pool (Pillow releases the GIL)."""
@@ -107,11 +161,12 @@ class ImageFiles:
 
 
 def load_image_folder(
-    root: str | Path, *, channels: int = 3, image_size: tuple[int, int] | None = None, classes: list[str] | None = None
-) -> Dataset:
-    """The folder's images as a Dataset of `ImageFiles` (decoded when used). `classes` (a
-    training folder's class names, for its test folder) fixes the labels; a class it lacks
-    is an error."""
+    root: str | Path, *, channels: int = 3, image_size: tuple[int, int] | None = None,
+    classes: list[str] | None = None, fit: str = "resize",
+) -> Dataset:  # fmt: skip
+    """The folder's images as a Dataset of `ImageFiles` (decoded when used, fitted to the
+    size as `fit` says). `classes` (a training folder's class names, for its test folder)
+    fixes the labels; a class it lacks is an error."""
     if channels not in MODES:
         raise UserError(f"--channels {channels} does not apply to images; use 1 (grey), 3 (RGB) or 4 (RGBA)")
     root = Path(root)
@@ -140,11 +195,13 @@ def load_image_folder(
             f"images differ in size ({path_a} is {a[0]}x{a[1]}, {path_b} is {b[0]}x{b[1]}); "
             "pass --image-size HxW to resize them all"
         )
-    images = ImageFiles(tuple(map(str, files)), channels, image_size or next(iter(sizes)))
+    images = ImageFiles(tuple(map(str, files)), channels, image_size or next(iter(sizes)), fit)
     return Dataset(images, np.asarray(labels, np.int32), str(root), classes=tuple(names))
 
 
-def load_unlabelled_folder(root: str | Path, *, channels: int, image_size: tuple[int, int]) -> Dataset:
+def load_unlabelled_folder(
+    root: str | Path, *, channels: int, image_size: tuple[int, int], fit: str = "resize"
+) -> Dataset:
     """A folder of images to predict (no class subfolders): every PNG/JPEG in it, sorted,
     decoded at `image_size` (the model's input) when used."""
     if channels not in MODES:
@@ -155,7 +212,7 @@ def load_unlabelled_folder(root: str | Path, *, channels: int, image_size: tuple
         raise UserError(f"{root} holds no image ({', '.join(EXTENSIONS)}); pass a folder of images or a CSV")
     for path in files[:1]:  # a broken first header fails here, the rest when decoded
         _header_size(path)
-    return Dataset(ImageFiles(tuple(map(str, files)), channels, image_size), None, str(root))
+    return Dataset(ImageFiles(tuple(map(str, files)), channels, image_size, fit), None, str(root))
 
 
 def write_image_folder(dataset: Dataset, root: str | Path, *, size: tuple[int, int] | None = None,
@@ -177,7 +234,7 @@ def write_image_folder(dataset: Dataset, root: str | Path, *, size: tuple[int, i
             (partial / name).mkdir()
         pixels = dataset.images if dataset.in_memory else dataset.images[:]
         for i, (image, label) in enumerate(zip(pixels, dataset.labels, strict=True)):
-            values = np.round(image * 255).astype(np.uint8)
+            values = image if image.dtype == np.uint8 else np.round(image * 255).astype(np.uint8)
             picture = Image.fromarray(values[..., 0] if values.shape[-1] == 1 else values).convert(MODES[channels])
             if size is not None:
                 picture = picture.resize(size[::-1], Image.Resampling.BILINEAR)

@@ -151,10 +151,13 @@ class BuildBatch(grain.transforms.Map):
         if self._epoch_batches is None or self._epoch_batches[0] != key:  # a shuffle per epoch, not per step
             self._epoch_batches = key, batch_indices(len(self.dataset), share.batch_size, where.epoch, self.seed)
         examples = share.take(self._epoch_batches[1][where.index])
-        images = self.dataset.images[examples]
-        if self.augment is not None and self.augment.active:
-            draws = self.augment.draws(self.seed, where.epoch, where.index, share.batch_size)
-            images = self.augment.apply(images, share.take(draws))
+        if self.augment is None or not self.augment.active:
+            return step, self.dataset.images[examples], self.dataset.labels[examples]
+        draws = share.take(self.augment.draws(self.seed, where.epoch, where.index, share.batch_size))
+        if hasattr(self.augment, "read"):  # it decodes the images itself (crops.RandomResizedCrop)
+            images = self.augment.read(self.dataset.images, examples, draws)
+        else:
+            images = self.augment.apply(self.dataset.images[examples], draws)
         return step, images, self.dataset.labels[examples]
 
 

@@ -24,8 +24,9 @@ LABEL = "label"
 
 @dataclass(frozen=True)
 class Dataset:
-    """Images and labels. `images` is a float32 [N, H, W, C] array in [0, 1], or anything
-    that indexes like one (an image folder's `ImageFiles`, decoded when indexed)."""
+    """Images and labels. `images` is a float32 [N, H, W, C] array in [0, 1], a uint8 one
+    in 0-255 (scaled to [0, 1] on the devices: jaxcnn.models.unit_pixels), or anything that
+    indexes like one (an image folder's uint8 `ImageFiles`, decoded when indexed)."""
 
     images: np.ndarray  # or folders.ImageFiles
     labels: np.ndarray | None  # int32 [N], None for a label-free test file

@@ -16,7 +16,7 @@ from flax import nnx
 from jaxcnn import platform_choices
 from jaxcnn.config import ModelConfig
 from jaxcnn.models.cnn import CNN, ConvBlock, cnn_layer_shapes, conv_channel_spaces
-from jaxcnn.models.custom import CustomModel, call
+from jaxcnn.models.custom import CustomModel, call, unit_pixels
 from jaxcnn.models.parts import LayerShape, remat_policy
 from jaxcnn.models.resnet import ResNet, resnet_layer_shapes
 
@@ -34,6 +34,7 @@ __all__ = [
     "layer_shapes",
     "remat_policy",
     "resolve_kernels",
+    "unit_pixels",
 ]
 
 

@@ -24,6 +24,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -41,9 +42,20 @@ class CustomModel:
             return self.factory(nnx.Rngs(seed))
 
 
+def unit_pixels(images_BHWC):
+    """uint8 pixels (0-255: an image folder's, sent to the devices as bytes) as float32 in
+    [0, 1], inside the compiled step -- the same numbers as the host's x / 255 in float32.
+    Float images pass unchanged."""
+    if images_BHWC.dtype == jnp.uint8:
+        return images_BHWC.astype(jnp.float32) / 255.0
+    return images_BHWC
+
+
 def call(model: nnx.Module, images, *, train: bool, rngs: nnx.Rngs | None = None):
     """The model's logits, however it takes `train`: jaxcnn's models and those whose __call__
-    names it get it as an argument; any other is put in train or eval mode first."""
+    names it get it as an argument; any other is put in train or eval mode first. uint8
+    images are scaled to [0, 1] first (`unit_pixels`)."""
+    images = unit_pixels(images)
     if "train" in inspect.signature(type(model).__call__).parameters:
         extra = {"rngs": rngs} if "rngs" in inspect.signature(type(model).__call__).parameters else {}
         return model(images, train=train, **extra)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcnn import platform_choices
 from jaxcnn.compiling import Compilation, kernel_record
-from jaxcnn.models import build_model, cross_entropy, resolve_kernels
+from jaxcnn.models import build_model, cross_entropy, resolve_kernels, unit_pixels
 from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
 from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
 from jaxcnn.pipeline.split import Stage, stage_groups, sub_meshes
@@ -60,6 +60,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     meshes = sub_meshes(mesh, layout.stage_axis)
     data_ways = math.prod(meshes[0].shape.values())
     tx = make_optimizer(spec.optim_config, spec.total_steps)
+    pixels = jnp.dtype(spec.image_dtype)  # stage 0's input; uint8 is scaled in its programs (unit_pixels)
     start = time.perf_counter()
 
     def stage_module(s: int) -> Stage:
@@ -109,6 +110,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     # --- per-stage programs -----------------------------------------------------------
     def apply(s, params, stats, x, train, key):
         model = nnx.merge(graphdefs[s], params, stats, copy=True)
+        x = unit_pixels(x) if s == 0 else x
         with activation_layout(DP, meshes[s]):
             y = model(x, train=train, rngs=nnx.Rngs(dropout=key) if train else None)
         # activations cross stages in float32, so every stage program has one signature
@@ -152,9 +154,10 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
             logits, new_stats = apply(s, p, stats, xi, True, jax.random.fold_in(key, mb))
             return cross_entropy(logits, y).mean() / m, (logits, new_stats)
 
-        (loss, (logits, new_stats)), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, xin)
+        wrt = (0, 1) if s > 0 else (0,)  # a single stage's input is the images: no gradient for them
+        (loss, (logits, new_stats)), grads = jax.value_and_grad(loss_fn, argnums=wrt, has_aux=True)(params, xin)
         correct = jnp.sum(jnp.argmax(logits, -1) == y)
-        dp, dx = grads
+        dp, dx = grads if s > 0 else (grads[0], None)
         totals = (totals[0] + loss, totals[1] + correct)
         return jax.tree.map(jnp.add, acc, dp), (dx if s > 0 else None), new_stats, totals
 
@@ -169,7 +172,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         params_sds, stats_sds = with_shardings(stages[s].params, sh.params), with_shardings(stages[s].stats, sh.stats)
         in_shape = (m, micro, *image_shape) if s == 0 else act_shapes[s - 1].shape
         x_sh = grouped_images if s == 0 else on(sub, in_shape)
-        x_sds = jax.ShapeDtypeStruct(in_shape, jnp.float32, sharding=x_sh)
+        x_sds = jax.ShapeDtypeStruct(in_shape, pixels if s == 0 else jnp.float32, sharding=x_sh)
         y_sh = on(sub, act_shapes[s].shape)
         dy_sds = jax.ShapeDtypeStruct(act_shapes[s].shape, jnp.float32, sharding=y_sh)
         prog = {}
@@ -202,10 +205,11 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         if with_eval:
             e_shape = (eval_batch_size, *image_shape) if s == 0 else (eval_batch_size, *act_shapes[s - 1].shape[1:])
             e_sh = eval_image_sh if s == 0 else on(sub, e_shape)
+            e_sds = jax.ShapeDtypeStruct(e_shape, pixels if s == 0 else jnp.float32, sharding=e_sh)
             e_out = (eval_batch_size, *act_shapes[s].shape[1:])
             prog["eval"] = jax.jit(
                 lambda p, st, x, s=s: apply(s, p, st, x, False, None)[0], out_shardings=on(sub, e_out)
-            ).lower(params_sds, stats_sds, jax.ShapeDtypeStruct(e_shape, jnp.float32, sharding=e_sh))
+            ).lower(params_sds, stats_sds, e_sds)
         prog["init"] = jax.jit(lambda s=s: init_stage(s), out_shardings=sh).lower()
         lowered.update({(s, name): low for name, low in prog.items()})
         programs.append({"x_sharding": x_sh, "y_sharding": y_sh, "eval_x_sharding": e_sh if with_eval else None})
@@ -222,7 +226,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     vec = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=eval_vec_sh)
     fvec = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=eval_vec_sh)
     lowered["group_images"] = jax.jit(lambda x: x.reshape(m, micro, *image_shape), out_shardings=grouped_images).lower(
-        jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sh)
+        jax.ShapeDtypeStruct((batch_size, *image_shape), pixels, sharding=image_sh)
     )
     lowered["group_labels"] = jax.jit(lambda y: y.reshape(m, micro), out_shardings=grouped_labels).lower(
         jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sh)
@@ -252,11 +256,11 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         train_step=schedule.train_step,
         eval_step=schedule.eval_step,
         train_input=BatchPlacement(
-            images=jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32, sharding=image_sh),
+            images=jax.ShapeDtypeStruct((batch_size, *image_shape), pixels, sharding=image_sh),
             labels=jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sh),
         ),
         eval_input=BatchPlacement(
-            images=jax.ShapeDtypeStruct((eval_batch_size, *image_shape), jnp.float32, sharding=eval_image_sh),
+            images=jax.ShapeDtypeStruct((eval_batch_size, *image_shape), pixels, sharding=eval_image_sh),
             labels=vec,
             mask=fvec,
         ),
