@@ -10,8 +10,7 @@ from conftest import TINY_PLAIN, load_train_module
 from PIL import Image
 
 from jaxcnn.commands import main as jaxcnn_main
-from jaxcnn.data import Dataset, Loader, load_image_folder, load_source
-from jaxcnn.data import shard_writer
+from jaxcnn.data import Dataset, Loader, load_image_folder, load_source, shard_writer
 from jaxcnn.errors import UserError
 
 
