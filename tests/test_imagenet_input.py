@@ -18,6 +18,7 @@ from jaxcnn.data import Dataset, load_image_folder
 from jaxcnn.data.crops import RATIO, SCALE, RandomResizedCrop, centre_box, draft_reduction, example_crop, random_box
 from jaxcnn.data.folders import ImageFiles, decode_box, load_unlabelled_folder
 from jaxcnn.data.loader import BuildBatch, Schedule
+from jaxcnn.data.resize import resize
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
 from jaxcnn.sharding import build_mesh, get_layout
@@ -115,7 +116,7 @@ def test_evaluation_and_predict_keep_the_centre_of_the_shorter_side_resized(tmp_
     # shorter side 24 -> 14 / 0.875 = 16: the image becomes 32x16, its centre 14x14 kept
     assert centre_box(24, 48, (14, 14)) == (13.5, 1.5, 34.5, 22.5)
     centre = load_image_folder(tmp_path, image_size=(14, 14), fit="centre").images
-    expected = np.asarray(Image.fromarray(pixels).resize((32, 16), Image.Resampling.BILINEAR))[1:15, 9:23]
+    expected = resize(pixels, (16, 32))[1:15, 9:23]  # (jaxcnn.data.resize: OpenCV's bilinear, not Pillow's)
     assert centre.dtype == np.uint8 and centre[:].shape == (1, 14, 14, 3)
     np.testing.assert_allclose(centre[0], expected, atol=1)
     predicted = load_unlabelled_folder(tmp_path / "a", channels=3, image_size=(14, 14), fit="centre")

@@ -11,7 +11,8 @@ bilinear) when given; without it every image must already share one size. With
 `fit="centre"` (--augment imagenet) an image is instead resized to cover `image_size` and
 its centre kept, and training reads random crops of it (`crops`, jaxcnn.data.crops): only
 the crop is resampled, and a JPEG much larger than it is decoded at a reduced scale
-(`Image.draft`). Pixels stay uint8 (0-255) all the way to the devices, which scale them
+(libjpeg's DCT scaling); decoding and resizing go through jaxcnn.data.resize (OpenCV).
+Pixels stay uint8 (0-255) all the way to the devices, which scale them
 (jaxcnn.models.unit_pixels): a quarter of float32's bytes to move. A file that
 cannot be decoded stops the run, naming it (at load if its header is broken, at its first
 batch otherwise): a damaged training set should be fixed, not silently shrunk. With no
@@ -32,6 +33,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from jaxcnn.data.crops import Box, centre_box, draft_reduction, example_crop, random_box
+from jaxcnn.data.resize import decode_jpeg_rgb, resize, resize_box
 from jaxcnn.data.sources import Dataset
 from jaxcnn.errors import UserError
 
@@ -67,40 +69,51 @@ def _header_size(path: Path) -> tuple[int, int]:
 def _decode(path: str, channels: int, image_size: tuple[int, int]) -> np.ndarray:
     try:
         with Image.open(path) as image:
-            image = image.convert(MODES[channels])
-            if image.size != image_size[::-1]:
-                image = image.resize(image_size[::-1], Image.Resampling.BILINEAR)
-            return np.asarray(image, dtype=np.uint8).reshape(*image_size, channels)
+            pixels = _pixels(image, path, channels)
     except _DECODE_ERRORS as err:
         raise UserError(f"image {path} cannot be decoded ({err}); fix or remove it") from None
+    return resize(pixels, image_size)
+
+
+def _pixels(image: Image.Image, path: str, channels: int, reduction: int = 1) -> np.ndarray:
+    """The opened `image` as uint8 [H, W, channels], a JPEG decoded at 1/`reduction` scale
+    in the DCT domain (RGB JPEGs by OpenCV, jaxcnn.data.resize: faster, the same pixels)."""
+    if image.format == "JPEG" and channels == 3:
+        pixels = decode_jpeg_rgb(Path(path).read_bytes(), reduction)
+        if pixels is None:
+            raise OSError("corrupt or truncated JPEG")
+        return pixels
+    if reduction > 1 and image.format == "JPEG":  # grey, RGBA: Pillow's draft, the same DCT scaling
+        width, height = image.size
+        image.draft(
+            MODES[channels] if channels < 4 else None, (max(1, width // reduction), max(1, height // reduction))
+        )
+    if image.mode != MODES[channels]:  # (convert copies even when the mode is already right)
+        image = image.convert(MODES[channels])
+    return np.asarray(image, dtype=np.uint8).reshape(image.size[1], image.size[0], channels)
 
 
 def decode_box(
     path: str, channels: int, image_size: tuple[int, int], box_of, *, flip: bool = False, draft: bool = True
 ) -> np.ndarray:
     """The part `box_of(height, width)` of the image at `path`, resized to `image_size`
-    (bilinear) as it is cut -- the rest is never resampled -- and flipped left-right with
-    `flip`. With `draft`, a JPEG whose box is at least twice `image_size` is decoded at 1/2,
-    1/4 or 1/8 scale in the DCT domain (the largest that keeps the box at least that size)."""
+    as it is cut -- the rest is never resampled (jaxcnn.data.resize.resize_box) -- and
+    flipped left-right with `flip`. With `draft`, a JPEG whose box is at least twice
+    `image_size` is decoded at 1/2, 1/4 or 1/8 scale in the DCT domain (the largest that
+    keeps the box at least that size)."""
     try:
         with Image.open(path) as image:
             width, height = image.size
             box: Box = box_of(height, width)
             reduction = draft_reduction(box, image_size) if draft else 1
-            drafted = None
-            if reduction > 1:  # a JPEG then decodes at 1/reduction scale; other formats ignore it (None)
-                mode = MODES[channels] if channels < 4 else None
-                drafted = image.draft(mode, (max(1, width // reduction), max(1, height // reduction)))
-            if drafted is not None:
-                scale = width / drafted[1][2]
-                box = tuple(v / scale for v in box)
-            if image.mode != MODES[channels]:  # (convert copies even when the mode is already right)
-                image = image.convert(MODES[channels])
-            picture = image.resize(image_size[::-1], Image.Resampling.BILINEAR, box=box)
-            pixels = np.asarray(picture, dtype=np.uint8).reshape(*image_size, channels)
-            return pixels[:, ::-1] if flip else pixels
+            pixels = _pixels(image, path, channels, reduction)
     except _DECODE_ERRORS as err:
         raise UserError(f"image {path} cannot be decoded ({err}); fix or remove it") from None
+    if pixels.shape[1] != width:  # decoded at a reduced scale: the box in its pixels
+        scale = width / pixels.shape[1]
+        box = tuple(v / scale for v in box)
+    pixels = resize_box(pixels, box, image_size)
+    return pixels[:, ::-1] if flip else pixels
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,6 @@ Pillow's bilinear the mean difference is 0.58 levels of 255 at 224 and 0.66 at 1
 
 from __future__ import annotations
 
-import math
-
 import cv2
 import numpy as np
 
@@ -39,18 +37,23 @@ def resize(pixels_HWC: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 def resize_box(pixels_HWC: np.ndarray, box, size: tuple[int, int]) -> np.ndarray:
     """The part `box` (left, top, right, bottom; Pillow's order) of `pixels_HWC` resized to
-    `size` (H, W). A box on whole pixels is cut, then resized (the rest is never resampled);
-    a box between pixels (evaluation's centre crop, a box in a JPEG decoded at 1/2 scale)
-    resizes the whole image at the box's scale, then cuts the box at the nearest pixel:
-    torchvision's resize-then-centre-crop."""
+    `size` (H, W); the rest is never resampled. A box on whole pixels is cut, then resized; a
+    box between pixels (evaluation's centre crop, a box in a JPEG decoded at 1/2 scale) is
+    sampled where it lies (bilinear, Pillow's pixel centres), or, shrinking by AREA_FROM or
+    more, the whole image is resized at the box's scale and the box cut at the nearest pixel."""
     left, top, right, bottom = box
     if all(float(v).is_integer() for v in box):
         return resize(pixels_HWC[int(top) : int(bottom), int(left) : int(right)], size)
-    scale_y, scale_x = size[0] / (bottom - top), size[1] / (right - left)
-    height, width = pixels_HWC.shape[:2]
-    whole = resize(pixels_HWC, (max(size[0], round(height * scale_y)), max(size[1], round(width * scale_x))))
-    y = min(max(0, round(top * scale_y)), whole.shape[0] - size[0])
-    x = min(max(0, round(left * scale_x)), whole.shape[1] - size[1])
+    scale_y, scale_x = (bottom - top) / size[0], (right - left) / size[1]  # source pixels per output pixel
+    height, width, channels = pixels_HWC.shape
+    if max(scale_x, scale_y) < AREA_FROM:
+        to_source = np.array([[scale_x, 0, left + scale_x / 2 - 0.5], [0, scale_y, top + scale_y / 2 - 0.5]])
+        flags = cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP
+        out = cv2.warpAffine(pixels_HWC, to_source, size[::-1], flags=flags, borderMode=cv2.BORDER_REPLICATE)
+        return out.reshape(*size, channels)
+    whole = resize(pixels_HWC, (max(size[0], round(height / scale_y)), max(size[1], round(width / scale_x))))
+    y = min(max(0, round(top / scale_y)), whole.shape[0] - size[0])
+    x = min(max(0, round(left / scale_x)), whole.shape[1] - size[1])
     return whole[y : y + size[0], x : x + size[1]]
 
 
@@ -63,8 +66,3 @@ def decode_jpeg_rgb(data: bytes, reduction: int = 1) -> np.ndarray | None:
     if pixels is None or pixels.ndim != 3:
         return None
     return pixels if reduction == 1 else cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB)
-
-
-def reduced_size(height: int, width: int, reduction: int) -> tuple[int, int]:
-    """(H, W) of an image decoded at 1/`reduction` scale."""
-    return math.ceil(height / reduction), math.ceil(width / reduction)

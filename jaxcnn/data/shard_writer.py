@@ -19,6 +19,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 
+from jaxcnn.data.resize import resize
 from jaxcnn.data.shards import (
     _DECODE_ERRORS,
     FORMAT_VERSION,
@@ -97,14 +98,15 @@ def encode_example(item, settings: ShardSettings) -> tuple[bytes, tuple[int, int
     target = stored_size(height, width, settings)
     draft = None if settings.image_size is not None or target == (height, width) else target[::-1]
     image = _open_image(item, settings.channels, draft)
-    if image.size != target[::-1]:
-        image = image.resize(target[::-1], Image.Resampling.BILINEAR)
     shape = (*target, settings.channels)
+    pixels = np.asarray(image, dtype=np.uint8).reshape(image.size[1], image.size[0], settings.channels)
+    pixels = resize(pixels, target)  # as the readers resize (jaxcnn.data.resize)
     if settings.format == "raw":
-        pixels = np.asarray(image, dtype=np.uint8).reshape(shape)
-        return RAW_HEADER.pack(*shape) + pixels.tobytes(), shape
+        return RAW_HEADER.pack(*shape) + np.ascontiguousarray(pixels).tobytes(), shape
     out = io.BytesIO()
-    image.save(out, format="JPEG", quality=settings.quality)
+    Image.fromarray(pixels[..., 0] if settings.channels == 1 else pixels).save(
+        out, format="JPEG", quality=settings.quality
+    )
     return out.getvalue(), shape
 
 

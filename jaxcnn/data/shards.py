@@ -41,6 +41,7 @@ from grain.sources import ArrayRecordDataSource
 from PIL import Image, UnidentifiedImageError
 
 from jaxcnn.data.crops import centre_box, example_crop, random_box
+from jaxcnn.data.resize import decode_jpeg_rgb, resize, resize_box
 from jaxcnn.errors import UserError
 
 FORMAT_VERSION = 1
@@ -145,8 +146,8 @@ class ShardImages:
     def _key(self, row) -> int:
         return int(row if self.rows is None else self.rows[row])
 
-    def _picture(self, row) -> Image.Image:
-        """Example `row` of this view as stored, as a Pillow image."""
+    def _pixels(self, row) -> np.ndarray:
+        """Example `row` of this view as stored: HxWxC uint8."""
         key = self._key(row)
         try:
             record = self._source()[key]
@@ -156,33 +157,29 @@ class ShardImages:
             if len(record) >= RAW_HEADER.size:
                 h, w, c = RAW_HEADER.unpack_from(record)
                 if len(record) == RAW_HEADER.size + h * w * c and c == self.channels:
-                    pixels = np.frombuffer(record, np.uint8, offset=RAW_HEADER.size).reshape(h, w, c)
-                    return Image.fromarray(pixels[..., 0] if c == 1 else pixels)
+                    return np.frombuffer(record, np.uint8, offset=RAW_HEADER.size).reshape(h, w, c)
             raise UserError(f"record {key} of {self.directory} is damaged (wrong length); prepare the shards again")
+        if self.channels == 3:  # OpenCV (jaxcnn.data.resize): the same pixels as Pillow, faster
+            pixels = decode_jpeg_rgb(record)
+            if pixels is None:
+                raise UserError(f"record {key} of {self.directory} cannot be decoded; prepare again")
+            return pixels
         try:
             image = Image.open(io.BytesIO(record))
-            image.load()
-            return image if image.mode == MODES[self.channels] else image.convert(MODES[self.channels])
+            image = image.convert(MODES[self.channels])
+            return np.asarray(image, dtype=np.uint8).reshape(image.size[1], image.size[0], self.channels)
         except _DECODE_ERRORS as err:
             raise UserError(f"record {key} of {self.directory} cannot be decoded ({err}); prepare again") from None
 
-    def _array(self, picture: Image.Image, flip: bool = False) -> np.ndarray:
-        pixels = np.asarray(picture, dtype=np.uint8).reshape(picture.size[1], picture.size[0], self.channels)
-        return pixels[:, ::-1] if flip else pixels
-
     def decode(self, row: int) -> np.ndarray:
         """Example `row` of this view as stored: HxWxC uint8."""
-        return self._array(self._picture(row))
+        return self._pixels(row)
 
     def _fitted(self, row) -> np.ndarray:
-        picture = self._picture(row)
-        size = self.image_size[::-1]
+        pixels = self._pixels(row)
         if self.fit == "centre":
-            box = centre_box(picture.size[1], picture.size[0], self.image_size)
-            picture = picture.resize(size, Image.Resampling.BILINEAR, box=box)
-        elif picture.size != size:
-            picture = picture.resize(size, Image.Resampling.BILINEAR)
-        return self._array(picture)
+            return resize_box(pixels, centre_box(*pixels.shape[:2], self.image_size), self.image_size)
+        return resize(pixels, self.image_size)
 
     def _stack(self, images: list[np.ndarray]) -> np.ndarray:
         return np.stack(images) if images else np.zeros((0, *self.shape[1:]), np.uint8)
@@ -199,10 +196,9 @@ class ShardImages:
         out = []
         for row, draws_D in zip(rows, draws, strict=True):
             uniforms_A4, flip = example_crop(draws_D)
-            picture = self._picture(row)
-            box = random_box(uniforms_A4, picture.size[1], picture.size[0])
-            picture = picture.resize(self.image_size[::-1], Image.Resampling.BILINEAR, box=box)
-            out.append(self._array(picture, flip))
+            pixels = self._pixels(row)
+            pixels = resize_box(pixels, random_box(uniforms_A4, *pixels.shape[:2]), self.image_size)
+            out.append(pixels[:, ::-1] if flip else pixels)
         return self._stack(out)
 
     def subset(self, index) -> ShardImages:
