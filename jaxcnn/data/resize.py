@@ -14,14 +14,22 @@ Pillow's bilinear the mean difference is 0.58 levels of 255 at 224 and 0.66 at 1
 
 from __future__ import annotations
 
-import cv2
+import functools
+
 import numpy as np
 
-cv2.setNumThreads(1)  # one core per input worker: the pipeline's parallelism is its worker processes
-
 AREA_FROM = 2.0  # shrinking by this factor or more: cv2.INTER_AREA, below it cv2.INTER_LINEAR
-_REDUCED = {1: cv2.IMREAD_COLOR_RGB, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
-            8: cv2.IMREAD_REDUCED_COLOR_8}  # fmt: skip
+
+
+@functools.cache
+def _cv2():
+    """OpenCV, imported when the first image is resized or decoded: a run that reads no image
+    files (synthetic or in-memory data; a machine without OpenCV, like the GPU check's) never
+    needs it."""
+    import cv2
+
+    cv2.setNumThreads(1)  # one core per input worker: the pipeline's parallelism is its worker processes
+    return cv2
 
 
 def resize(pixels_HWC: np.ndarray, size: tuple[int, int]) -> np.ndarray:
@@ -30,6 +38,7 @@ def resize(pixels_HWC: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     height, width, channels = pixels_HWC.shape
     if (height, width) == tuple(size):
         return pixels_HWC
+    cv2 = _cv2()
     shrink = max(height / size[0], width / size[1])
     interpolation = cv2.INTER_AREA if shrink >= AREA_FROM else cv2.INTER_LINEAR
     return cv2.resize(pixels_HWC, size[::-1], interpolation=interpolation).reshape(*size, channels)
@@ -47,6 +56,7 @@ def resize_box(pixels_HWC: np.ndarray, box, size: tuple[int, int]) -> np.ndarray
     scale_y, scale_x = (bottom - top) / size[0], (right - left) / size[1]  # source pixels per output pixel
     height, width, channels = pixels_HWC.shape
     if max(scale_x, scale_y) < AREA_FROM:
+        cv2 = _cv2()
         to_source = np.array([[scale_x, 0, left + scale_x / 2 - 0.5], [0, scale_y, top + scale_y / 2 - 0.5]])
         flags = cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP
         out = cv2.warpAffine(pixels_HWC, to_source, size[::-1], flags=flags, borderMode=cv2.BORDER_REPLICATE)
@@ -61,7 +71,10 @@ def decode_jpeg_rgb(data: bytes, reduction: int = 1) -> np.ndarray | None:
     """A JPEG's bytes -> RGB uint8 [H, W, 3], decoded at 1/`reduction` scale (1, 2, 4, 8) in
     the DCT domain (H, W rounded up, as libjpeg does); None if it cannot be decoded (corrupt
     or truncated). The EXIF orientation is ignored, as Pillow does."""
-    flags = _REDUCED[reduction] | cv2.IMREAD_IGNORE_ORIENTATION
+    cv2 = _cv2()
+    scaled = {1: cv2.IMREAD_COLOR_RGB, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
+              8: cv2.IMREAD_REDUCED_COLOR_8}  # fmt: skip
+    flags = scaled[reduction] | cv2.IMREAD_IGNORE_ORIENTATION
     pixels = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
     if pixels is None or pixels.ndim != 3:
         return None
