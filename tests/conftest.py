@@ -1,5 +1,6 @@
 """8 simulated CPU devices for every test: set before anything touches a JAX device. The
-commands' compile cache goes to a directory of the session's own, never ~/.cache/jaxcnn."""
+commands' compile cache goes to a directory of the session's own, never ~/.cache/jaxcnn, and
+is on from the start: tests (and their subprocesses) that compile the same program share it."""
 
 import atexit
 import os
@@ -12,6 +13,10 @@ atexit.register(shutil.rmtree, os.environ["JAXCNN_CACHE"], ignore_errors=True)
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+from jaxcnn import compile_cache  # noqa: E402
+
+compile_cache.enable(None)  # from the start, as the commands would: whatever runs, a program compiles once
 
 import functools  # noqa: E402
 import importlib.util  # noqa: E402
@@ -80,6 +85,36 @@ def load_script(name: str):
 
 def load_train_module():
     return load_script("train")
+
+
+def jit_initialised(make):
+    """The module `make()` returns, its variables made by one jitted init compiled as the
+    programs' own init is (unoptimised on a CPU) instead of eagerly, where each initializer
+    of a new shape compiles, optimised, on its own: seconds apiece."""
+    from flax import nnx
+
+    from jaxcnn.platform_choices import init_compiler_options
+
+    graphdef = nnx.graphdef(nnx.eval_shape(make))
+    init = jax.jit(lambda: nnx.state(make())).lower()
+    return nnx.merge(graphdef, init.compile(compiler_options=init_compiler_options(jax.default_backend()))())
+
+
+@functools.cache
+def _initialised(model_config, image_shape, seed):
+    from flax import nnx
+
+    from jaxcnn.models import build_model
+
+    return nnx.split(jit_initialised(lambda: build_model(model_config, image_shape, seed)))
+
+
+def initialised(model_config, image_shape, seed=0):
+    """build_model(model_config, image_shape, seed), initialised as jit_initialised does
+    (once per configuration; each call a module of its own)."""
+    from flax import nnx
+
+    return nnx.merge(*_initialised(model_config, tuple(image_shape), seed))
 
 
 @functools.cache

@@ -8,12 +8,24 @@ import pytest
 from conftest import load_script
 
 
-def test_bench_reports_flops_and_an_mfu_below_the_measured_peak(tmp_path):
+@pytest.fixture(scope="module")
+def first_bench(tmp_path_factory):
+    """bench's every variant, compiled into an empty cache of its own (the output directory)."""
+    from jaxcnn import compile_cache
+
+    out = tmp_path_factory.mktemp("bench")
+    try:
+        load_script("bench").main(["--configs", "default", "--steps", "2", "--rounds", "2", "--out",
+                                   str(out / "bench.csv"), "--compile-cache", str(out / "cache")])  # fmt: skip
+    finally:
+        compile_cache.enable(None)
+    return out
+
+
+def test_bench_reports_flops_and_an_mfu_below_the_measured_peak(first_bench):
     from jaxcnn.config import DEFAULT_MODEL
 
-    out = tmp_path / "bench.csv"
-    load_script("bench").main(["--configs", "default", "--steps", "2", "--rounds", "2", "--out", str(out)])
-    frame = pd.read_csv(out)
+    frame = pd.read_csv(first_bench / "bench.csv")
     assert set(frame["variant"]) == {"jaxcnn-single", "jaxcnn-dp1", "plain-jit", "plain-jit-cpu-options"}
     assert (frame["model"] == DEFAULT_MODEL).all() and (frame["config"] == "default").all()
     assert (frame["steps"] == 2).all()
@@ -26,19 +38,19 @@ def test_bench_reports_flops_and_an_mfu_below_the_measured_peak(tmp_path):
     assert (frame["time_to_first_step_seconds"] >= startup).all() and (frame["compile_seconds"] > 0).all()
 
 
-def test_bench_variants_and_a_second_run_reads_its_programs_from_the_cache(tmp_path):
+def test_bench_variants_and_a_second_run_reads_its_programs_from_the_cache(first_bench, tmp_path):
+    """The first run: every variant's, above; the second, two of them, reads the same cache."""
     from jaxcnn import compile_cache
 
     flags = ["--configs", "default", "--steps", "1", "--rounds", "1", "--variants", "jaxcnn-dp1,plain-jit",
-             "--compile-cache", str(tmp_path / "cache")]  # fmt: skip
+             "--compile-cache", str(first_bench / "cache"), "--out", str(tmp_path / "second.csv")]  # fmt: skip
     try:
-        first, second = (
-            load_script("bench").main([*flags, "--out", str(tmp_path / f"{n}.csv")]) for n in ("first", "second")
-        )
+        second = load_script("bench").main(flags)
     finally:
         compile_cache.enable(None)
-    assert [r["variant"] for r in first] == ["jaxcnn-dp1", "plain-jit"]
-    assert [r["cached"] for r in first] == [False, False] and [r["cached"] for r in second] == [True, True]
+    first = pd.read_csv(first_bench / "bench.csv").set_index("variant")["cached"]
+    assert [r["variant"] for r in second] == ["jaxcnn-dp1", "plain-jit"]
+    assert list(first[["jaxcnn-dp1", "plain-jit"]]) == [False, False] and [r["cached"] for r in second] == [True, True]
 
 
 def _default_cnn_params(side: int, channels: int) -> int:

@@ -25,9 +25,11 @@ def run_cli(*args, cwd=REPO):
 
 
 @pytest.mark.slow
-def test_cli_run_writes_both_result_files(tmp_path):
-    proc = run_cli(*SMALL, "--epochs", "2", "--mesh", "data=8", "--results-dir", str(tmp_path), "--run-name", "e2e")
-    assert proc.returncode == 0, proc.stderr
+def test_cli_run_writes_both_result_files(tmp_path, capsys):
+    """In-process (a real process: test_bad_input_in_a_real_process_..., tests/test_runs.py)."""
+    load_train_module().main([*SMALL, "--epochs", "2", "--mesh", "data=8", "--results-dir", str(tmp_path),
+                              "--run-name", "e2e"])  # fmt: skip
+    stdout = capsys.readouterr().out
     record = json.loads((tmp_path / "e2e" / "e2e.json").read_text())
     assert set(record) >= JSON_KEYS
     assert record["layout"] == "dp" and record["mesh"] == {"data": 8} and record["num_devices"] == 8
@@ -36,7 +38,7 @@ def test_cli_run_writes_both_result_files(tmp_path):
     epochs = pd.read_csv(tmp_path / "e2e" / "e2e.csv")
     assert list(epochs.columns) == EPOCH_COLUMNS and list(epochs["epoch"]) == [1, 2]
     assert epochs["step"].iloc[-1] == record["steps"]
-    assert "test accuracy" in proc.stdout and "images/s" in proc.stdout
+    assert "test accuracy" in stdout and "images/s" in stdout
 
 
 def test_label_free_test_file_gets_a_submission(tmp_path):
@@ -183,11 +185,14 @@ def test_bad_input_in_a_real_process_exits_2_without_traceback(tmp_path):
     )
 
 
-def test_unwritable_results_dir_is_refused_before_training(tmp_path):
+def test_unwritable_results_dir_is_refused_before_training(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = run_cli("--results-dir", str(blocker / "sub"), "--quiet")
-    assert proc.returncode != 0 and "cannot be written" in proc.stderr and "Traceback" not in proc.stderr
+    module = load_train_module()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_main("train.py", lambda: module.main(["--results-dir", str(blocker / "sub"), "--quiet"]))
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code != 0 and "cannot be written" in stderr and "Traceback" not in stderr
 
 
 def test_environment_cluster_variables_are_checked(tmp_path, capsys, monkeypatch):

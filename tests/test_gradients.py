@@ -27,11 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import initialised, jit_initialised
 from flax import nnx
 
 from jaxcnn.config import ModelConfig
 from jaxcnn.layers import _pool_with_choice, max_pool_2x2, pointwise_conv
-from jaxcnn.models import ConvBlock, ResNet, build_model, cross_entropy
+from jaxcnn.models import ConvBlock, ResNet, cross_entropy
 from jaxcnn.models.parts import normalise
 from jaxcnn.sharding import axes as ax
 
@@ -78,12 +79,17 @@ def assert_matches_float64(loss, module: nnx.Module, *inputs, jit_reference: boo
 
 def _block(cin: int, cout: int, norm: str, remat: str = "none") -> ConvBlock:
     config = ModelConfig(norm=norm, remat=remat)
-    with nnx.use_eager_sharding(False):
-        return ConvBlock(cin, cout, ax.CONV_IN, ax.CONV_OUT, config, nnx.Rngs(params=0))
+
+    def make():
+        with nnx.use_eager_sharding(False):
+            return ConvBlock(cin, cout, ax.CONV_IN, ax.CONV_OUT, config, nnx.Rngs(params=0))
+
+    return jit_initialised(make)
 
 
 def _random(shape, seed: int, dtype=jnp.float32) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), shape, dtype)
+    """Standard normal values (NumPy's: an eager jax.random draw compiles per shape)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 # (batch, height, width, in channels, out channels, norm): odd sides, 128-256 channels,
@@ -163,7 +169,7 @@ def test_dense_and_loss_gradient_matches_float64():
 
     labels = jnp.arange(48) % 10
     loss = lambda m, x: cross_entropy(m(x), labels).mean()  # noqa: E731
-    assert_matches_float64(loss, Head(nnx.Rngs(0)), _random((48, 1152), 0))
+    assert_matches_float64(loss, jit_initialised(lambda: Head(nnx.Rngs(0))), _random((48, 1152), 0))
 
 
 MODELS = {
@@ -248,7 +254,7 @@ def images_off_the_kinks(model: nnx.Module, shape: tuple[int, ...], tries: int =
 @pytest.mark.parametrize("name", MODELS)
 def test_whole_model_gradient_matches_float64(name):
     config, shape = MODELS[name]
-    model = build_model(config, shape[1:], seed=0)
+    model = initialised(config, shape[1:])
     images, labels = images_off_the_kinks(model, shape), jnp.arange(shape[0]) % config.num_classes
     loss = lambda m, x: cross_entropy(m(x, train=True), labels).mean()  # noqa: E731
     assert_matches_float64(loss, model, images, jit_reference=True)

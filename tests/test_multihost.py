@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import REPO, write_folder
 
+from jaxcnn.commands import main as jaxcnn_main
 from jaxcnn.distributed import HEARTBEAT_TIMEOUT_S
 
 TRAIN, LAUNCH = REPO / "experiments/train.py", REPO / "experiments/launch_local.py"
@@ -29,18 +30,35 @@ def run(args, timeout=300):
 
 FOLDER = ["--image-size", "12x10", "--num-classes", "3", "--augment-shift", "1", "--augment-flip", "--input-workers", "1",
           "--epochs", "3"]  # fmt: skip
+SHARDS = ["--image-size", "12x10", "--num-classes", "3", "--augment", "imagenet", "--input-workers", "1",
+          "--epochs", "1"]  # fmt: skip
 
 
-@pytest.mark.parametrize("layout_flags", [["--mesh", "data=4"], ["--layout", "hybrid", "--mesh", "data=2,model=2"],
-                                          ["--mesh", "data=4", *FOLDER]], ids=["dp", "hybrid", "image-folder"])  # fmt: skip
+# dp on the digits held in memory; hybrid (data across the processes, model within each) on an
+# image folder, each process's rows decoded and augmented in a grain worker of its own; dp on
+# prepared shards (`jaxcnn prepare`), each process cutting random resized crops of its rows
+@pytest.mark.parametrize("layout_flags", [["--mesh", "data=4"], ["--layout", "hybrid", "--mesh", "data=2,model=2",
+                                          *FOLDER], ["--mesh", "data=4", *SHARDS]],
+                         ids=["dp", "hybrid-image-folder", "dp-shards"])  # fmt: skip
 def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path, layout_flags):
     """The global batches do not depend on the process count: each process decodes and
     augments only its rows of each (image folder: in a grain worker process)."""
     if "--image-size" in layout_flags:
         layout_flags = ["--data", write_folder(tmp_path / "images", per_class=40), *layout_flags]
-    run([TRAIN, *TINY, *layout_flags, "--host-devices", "4", "--results-dir", tmp_path / "one", "--run-name", "r"])
-    out = run([LAUNCH, "--num-processes", "2", "--devices-per-process", "2", "--",
-               *TINY, *layout_flags, "--results-dir", tmp_path / "two", "--run-name", "r"]).stdout  # fmt: skip
+    if "--augment" in layout_flags:  # the folder's prepared shards instead
+        jaxcnn_main(
+            ["prepare", "--quiet", "--workers", "0", "--data", str(layout_flags[1]), "--out", str(tmp_path / "s")]
+        )
+        layout_flags[1] = tmp_path / "s"
+    one = [TRAIN, *TINY, *layout_flags, "--host-devices", "4", "--results-dir", tmp_path / "one", "--run-name", "r"]
+    with open(tmp_path / "one.log", "w") as log:  # beside the two processes: the cores overlap them
+        one_run = subprocess.Popen([sys.executable, *map(str, one)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            out = run([LAUNCH, "--num-processes", "2", "--devices-per-process", "2", "--",
+                       *TINY, *layout_flags, "--results-dir", tmp_path / "two", "--run-name", "r"]).stdout  # fmt: skip
+            assert one_run.wait(timeout=300) == 0, (tmp_path / "one.log").read_text()[-2000:]
+        finally:
+            one_run.kill()  # a no-op once it has ended
     one, two = (json.loads((tmp_path / d / "r" / "r.json").read_text()) for d in ("one", "two"))
     assert two["num_processes"] == 2 and two["num_devices"] == 4 and one["num_processes"] == 1
     assert (one["input_rows_per_process"], two["input_rows_per_process"]) == (32, 16)  # each builds only its rows

@@ -18,7 +18,9 @@ def _leaves(tree):
 
 
 def test_dp_replicates_every_parameter_and_splits_the_batch():
-    program = build_program(TINY_BN_DROPOUT, OptimConfig(), get_layout("dp"), build_mesh({"data": 8}), (8, 8, 1), 32, 5)
+    program = build_program(
+        TINY_BN_DROPOUT, OptimConfig(), get_layout("dp"), build_mesh({"data": 8}), (8, 8, 1), 32, 5, with_eval=False
+    )
     state = program.init()
     for array in jax.tree.leaves((state.params, state.model_state, state.opt_state)):
         assert array.sharding.is_fully_replicated
@@ -29,7 +31,7 @@ def test_dp_replicates_every_parameter_and_splits_the_batch():
 def test_user_rules_shard_the_tensors_they_name():
     layout = parse_rules("batch=data,conv_out=model,mlp=model")
     mesh = build_mesh({"data": 4, "model": 2})
-    program = build_program(TINY_BN_DROPOUT, OptimConfig(), layout, mesh, (8, 8, 1), 32, 5)
+    program = build_program(TINY_BN_DROPOUT, OptimConfig(), layout, mesh, (8, 8, 1), 32, 5, with_eval=False)
     state = program.init()
     kernel0 = state.params["blocks"][0]["conv"]["kernel"]  # (kh, kw, conv_in, conv_out): column
     kernel1 = state.params["blocks"][1]["conv"]["kernel"]  # (kh, kw, conv_out, conv_in): row
@@ -62,7 +64,10 @@ def test_dimension_that_does_not_divide_is_replicated_with_a_note():
 def test_program_warns_about_fallbacks_it_applies():
     layout = parse_rules("batch=data,classes=model")  # 10 classes over model=4: cannot split
     with pytest.warns(ShardingWarning) as caught:
-        build_program(TINY_BN_DROPOUT, OptimConfig(), layout, build_mesh({"data": 2, "model": 4}), (8, 8, 1), 16, 2)
+        build_program(
+            TINY_BN_DROPOUT, OptimConfig(), layout, build_mesh({"data": 2, "model": 4}), (8, 8, 1), 16, 2,
+            with_eval=False, with_init=False,
+        )  # fmt: skip
     assert sorted(str(w.message) for w in caught) == [
         "dense/1/bias dim 0 (classes, size 10) does not divide mesh axes model=4; replicated",
         "dense/1/kernel dim 1 (classes, size 10) does not divide mesh axes model=4; replicated",
@@ -126,7 +131,7 @@ def test_fsdp_shards_the_largest_divisible_dim_of_tensors_over_the_threshold():
 def test_state_is_born_sharded_not_gathered_on_one_device():
     layout = parse_rules("batch=data,mlp=model")
     mesh = build_mesh({"data": 2, "model": 4})
-    program = build_program(TINY_BN_DROPOUT, OptimConfig(), layout, mesh, (8, 8, 1), 16, 2)
+    program = build_program(TINY_BN_DROPOUT, OptimConfig(), layout, mesh, (8, 8, 1), 16, 2, with_eval=False)
     # The compiled init program itself outputs the layout's shardings: each device creates
     # only its own slice; nothing is built whole on one device and scattered.
     dense0 = program.init.output_shardings.params["dense"][0]["kernel"].get_value()

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, TINY_PLAIN, bundled_digits, train_losses
+from conftest import REPO, TINY_PLAIN, bundled_digits, initialised, train_losses
 
 from jaxcnn.analysis.measure import measure_layout
 from jaxcnn.build import build_program
@@ -15,7 +15,7 @@ from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
 from jaxcnn.data import load_csv
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
-from jaxcnn.models import build_model, count_params, cross_entropy
+from jaxcnn.models import count_params, cross_entropy
 from jaxcnn.pipeline.split import balance, default_microbatches, stage_groups
 from jaxcnn.sharding import build_mesh, get_layout
 
@@ -96,7 +96,7 @@ def test_accumulated_gradients_equal_a_sequential_reference():
     ]
     from flax import nnx
 
-    model = build_model(TINY_PLAIN, data.image_shape, 0)
+    model = initialised(TINY_PLAIN, data.image_shape)  # the program's init: its weights
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p):
@@ -117,7 +117,7 @@ def test_accumulated_gradients_equal_a_sequential_reference():
 def test_each_stage_holds_only_its_parameters():
     _, state, program = pipeline_run({"stage": 4}, 8)
     whole = sum(program.anatomy.stage_param_bytes)
-    assert whole == 4 * count_params(build_model(TINY_PLAIN, (8, 8, 1), 0))  # every parameter, once
+    assert whole == 4 * count_params(initialised(TINY_PLAIN, (8, 8, 1)))  # every parameter, once
     for stage, bytes_ in zip(state.stages, program.anatomy.stage_param_bytes, strict=True):
         held = sum(leaf.nbytes for leaf in jax.tree.leaves(stage.params))
         assert held == bytes_ < whole
@@ -173,7 +173,7 @@ def test_pipeline_compare_row_measures_what_the_layer_shapes_predict(mesh):
     # the loss and accuracy scalars (4 bytes each) all-reduced for each of the 4 micro-batches,
     # which the model leaves out. 0.1% holds that and catches anything a layer's bytes wrong.
     assert row["comm_bytes"] == pytest.approx(row["comm_bytes_model"], rel=1e-3)
-    assert row["param_bytes_per_device"] < 4 * count_params(build_model(TINY_PLAIN, (8, 8, 1), 0))  # no stage holds all
+    assert row["param_bytes_per_device"] < 4 * count_params(initialised(TINY_PLAIN, (8, 8, 1)))  # no stage holds all
 
 
 def test_train_script_runs_the_pipeline_and_records_it(tmp_path, capsys):

@@ -92,24 +92,38 @@ def test_plan_prints_ranked_choices_and_writes_every_candidate(tmp_path, capsys)
     assert (a100["step_seconds_model"] != v5e.loc[a100.index, "step_seconds_model"]).all()
 
 
-@pytest.mark.parametrize(
-    ("script", "flags", "message"),
-    [
-        ("plan.py", ["--budget", "lots"], "cannot read 'lots' as a size"),
-        ("plan.py", ["--hardware", "abacus"], "unknown hardware profile 'abacus'"),
-        ("plan.py", ["--layouts", "dp,zero3"], "unknown layout 'zero3'"),
-        ("compare_layouts.py", ["--layouts", "dp,zero", "--steps", "0"], "unknown layout 'zero'"),
-        ("scaling.py", ["--layout", "hybrid", "--devices", "1,2"], "cannot fill 1 devices"),
-    ],
-)
-def test_bad_input_to_report_scripts_is_one_line(script, flags, message):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "experiments" / script), *flags],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+BAD_INPUT = [
+    ("plan.py", ["--budget", "lots"], "cannot read 'lots' as a size"),
+    ("plan.py", ["--hardware", "abacus"], "unknown hardware profile 'abacus'"),
+    ("plan.py", ["--layouts", "dp,zero3"], "unknown layout 'zero3'"),
+    ("compare_layouts.py", ["--layouts", "dp,zero", "--steps", "0"], "unknown layout 'zero'"),
+    ("scaling.py", ["--layout", "hybrid", "--devices", "1,2"], "cannot fill 1 devices"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs():
+    """Each case in a process of its own, all started at once (the cores overlap them)."""
+    procs = {
+        (script, *flags): subprocess.Popen(
+            [sys.executable, str(REPO / "experiments" / script), *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        for script, flags, _ in BAD_INPUT
+    }
+    done = {}
+    for case, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        done[case] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return done
+
+
+@pytest.mark.parametrize(("script", "flags", "message"), BAD_INPUT)
+def test_bad_input_to_report_scripts_is_one_line(bad_input_runs, script, flags, message):
+    proc = bad_input_runs[(script, *flags)]
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -247,12 +247,7 @@ def _train_process(*flags):
 def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
     flags = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32", "--epochs", "5",
              "--host-devices", "2", "--mesh", "data=2", "--results-dir", str(tmp_path)]  # fmt: skip
-    reference = _train_process(*flags, "--run-name", "ref")
-    out, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, err
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch ")] == [
-        f"{e}/5" for e in range(1, 6)
-    ]
+    reference = _train_process(*flags, "--run-name", "ref")  # beside the run to stop: the cores overlap them
     run = _train_process(*flags, "--run-name", "run")
     seen = []
     for line in run.stdout:  # stdout is a pipe: one line per epoch, not a progress bar
@@ -260,8 +255,13 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
         if line.startswith("epoch 2/5"):
             run.send_signal(signal.SIGINT)
             break
-    out, err = run.communicate(timeout=120)
+    _, err = run.communicate(timeout=120)
     assert run.returncode == 130, err
+    out, reference_err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, reference_err
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch ")] == [
+        f"{e}/5" for e in range(1, 6)
+    ]
     assert "state saved in" in err and "continue with: jaxcnn train --resume --run-name run" in err, err
     partial = json.loads((tmp_path / "run" / "run.json").read_text())
     assert partial["interrupted_at_step"] == len(partial["loss_history"]) >= 2 * 44
