@@ -151,15 +151,17 @@ def realistic_cases(layouts: list[Layout], table=REALISTIC) -> list[Case]:
     return cases
 
 
-def compile_case(case: Case, steps: int, lr: float, seed: int, layout=None, mesh_shape=None):
-    """The program of `case` (or of it under another layout and mesh)."""
+def compile_case(case: Case, steps: int, lr: float, seed: int, layout=None, mesh_shape=None, with_init=True):
+    """The program of `case` (or of it under another layout and mesh); `with_init=False`: no
+    init program (a layout compared step by step starts from single's state)."""
     layout, mesh_shape = layout or case.layout, mesh_shape or case.mesh_shape
     # batch norm over the whole batch, as on one device (without it: the GPipe schedule as configured)
     options = stage_options(layout, 1 if case.model.norm == "batch" else None)
     with quiet_fallbacks():  # fallbacks show in the lint's count below
         return build_program(
             case.model, OptimConfig(learning_rate=lr, warmup_steps=2), layout, build_mesh(mesh_shape),
-            case.dataset.image_shape, case.batch_size, steps, seed=seed, with_eval=False, **options,
+            case.dataset.image_shape, case.batch_size, steps, seed=seed, with_eval=False, with_init=with_init,
+            **options,
         )  # fmt: skip
 
 
@@ -243,7 +245,7 @@ def check(cases: list[Case], steps: int, lr: float, seed: int, free_running: boo
                 grad_floor = max(step_by_step(single, single, case.dataset, steps, seed, nudged_data.images)[1])
             references[key] = single, reference, floor, grad_floor
         single, reference, floor, grad_floor = references[key]
-        program = compile_case(case, steps, lr, seed)
+        program = compile_case(case, steps, lr, seed, with_init=free_running)  # only free running starts its own
         free = None
         if free_running:
             free = float(
