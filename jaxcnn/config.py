@@ -39,6 +39,10 @@ IMAGENET_STEM_FROM = 128
 CONV_WIDTHS = (32, 64, 128, 128, 256, 256)
 DENSE_WIDTHS = (256, 128, 128)
 NORMS = ("none", "batch", "group")
+# Batch norm's training statistics: the whole global batch's (synchronised, one collective
+# each way) or each device's own piece's (no collective; a per-device batch of a few images
+# gives noisy statistics -- docs/layouts.md has the measured accuracy cost).
+NORM_STATISTICS = ("global", "per-device")
 # jax.checkpoint per conv block: keep nothing but its input (full), the conv outputs
 # (dots: jax.checkpoint_policies.dots_saveable) or the activations named in
 # `remat_names` (names: save_only_these_names), recomputing the rest in the backward pass.
@@ -61,6 +65,7 @@ class ModelConfig:
     conv_features: tuple[int, ...] = ()  # () = the name's preset widths
     dense_features: tuple[int, ...] = ()  # hidden dense widths; the classifier is added
     norm: str = "batch"
+    norm_statistics: str = "global"  # NORM_STATISTICS
     dropout: float = 0.0
     num_classes: int = 10
     remat: str = "none"
@@ -139,6 +144,12 @@ class ModelConfig:
     def _check_common(self):
         if self.norm not in NORMS:
             raise UserError(f"unknown --norm {self.norm!r}; use one of {', '.join(NORMS)}")
+        if self.norm_statistics not in NORM_STATISTICS:
+            raise UserError(
+                f"unknown --norm-statistics {self.norm_statistics!r}; use one of {', '.join(NORM_STATISTICS)}"
+            )
+        if self.norm_statistics != "global" and self.norm != "batch":
+            raise UserError("--norm-statistics is batch norm's; drop it or use --norm batch")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.remat not in REMAT_POLICIES:

@@ -1,14 +1,22 @@
-"""8 simulated CPU devices for every test: set before anything touches a JAX device. The
-commands' compile cache goes to a directory of the session's own, never ~/.cache/jaxcnn, and
-is on from the start: tests (and their subprocesses) that compile the same program share it."""
+"""8 simulated CPU devices for every test, wherever it runs (on a GPU machine JAX would pick
+the GPU, where the 8-device tests cannot run): set before anything touches a JAX device, and
+inherited by the tests' subprocesses. `test_accelerator.py` alone runs on the accelerator.
+The commands' compile cache goes to a directory of the session's own, never
+~/.cache/jaxcnn, and is on from the start: tests (and their subprocesses) that compile the
+same program share it."""
 
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["JAXCNN_CACHE"] = tempfile.mkdtemp(prefix="jaxcnn-test-cache-")
-atexit.register(shutil.rmtree, os.environ["JAXCNN_CACHE"], ignore_errors=True)
+PLATFORMS_GIVEN = os.environ.get("JAX_PLATFORMS")  # what the user's environment said, for test_accelerator
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+if "JAXCNN_TEST_CACHE" not in os.environ:  # pytest-xdist's workers share their controller's
+    os.environ["JAXCNN_TEST_CACHE"] = tempfile.mkdtemp(prefix="jaxcnn-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXCNN_TEST_CACHE"], ignore_errors=True)
+os.environ["JAXCNN_CACHE"] = os.environ["JAXCNN_TEST_CACHE"]
 
 import jax  # noqa: E402
 

@@ -20,9 +20,13 @@ degree (`height`), G = D x S the devices holding different data for one paramete
   `spatial` and then over `data` (two all-reduces); the dense head, fed the gathered
   activation, only over `data`.
 - FSDP: one all-gather of each split parameter per step (gathered once, kept for backward).
-- batch norm, if G > 1: per layer 4 x C_local x f (once per axis, as gradients): forward the
-  mean, then the variance (two-pass: two all-reduces); backward the two matching reductions
-  of the cotangent. C_local = C / M when split.
+- batch norm over P > 1 pieces of the batch (P = D, or D x S where S divides the layer's
+  output height; jaxcnn.models.batch_norm), per layer: forward one all-gather of every piece's mean
+  and squared deviations (P x 2 x C_local x 4 bytes: float32 statistics); backward one
+  all-reduce of the sums of dy and dy x x_hat (2 x C_local x 4), which are also scale's
+  and bias's gradients -- so those leave the gradients' all-reduce. C_local = C / M when
+  split. Per-device statistics: only the running averages' all-reduce forward (2 x C_local
+  x 4) and scale's and bias's gradients backward (likewise).
 - tensor parallelism, M > 1: every row layer all-reduces its output activation forward
   (B/D x H_out x W_out x C_out x f); every column layer whose input needs a gradient
   all-reduces that gradient backward (B/D x H x W x C_in x f).
@@ -105,8 +109,13 @@ def comm_terms(
     def spatially_split(p: ParamPlacement) -> bool:
         return split_of.get(p.path.rsplit("/", 1)[0], False)
 
+    norm_paths = {layer.norm_path for layer in layers if layer.norm_path}
+
+    def reduced_with_gradients(p: ParamPlacement) -> bool:  # batch norm's come with its statistics
+        return not fsdp_split(p) and not (config.norm == "batch" and p.path.rsplit("/", 1)[0] in norm_paths)
+
     for on_split in (True, False):
-        group = [p for p in params if spatially_split(p) == on_split and not fsdp_split(p)]
+        group = [p for p in params if spatially_split(p) == on_split and reduced_with_gradients(p)]
         if group:
             reduce_over("gradients", sum(compute_bytes[p.path] for p in group), on_split)
     if g > 1:
@@ -119,9 +128,17 @@ def comm_terms(
 
     convs = [(layer, split) for layer, split in zip(layers, split_input, strict=True) if layer.kind == "conv"]
     if config.norm == "batch":
-        for layer, on_split in convs:
-            channels = layer.features / layout.degree(layer.space_out, mesh_shape)
-            reduce_over("batch-norm statistics", 4 * channels * itemsize, on_split)
+        for layer, _ in convs:
+            pieces = d * (s if layer.out_height % s == 0 else 1)  # partition.image_pieces
+            if pieces == 1:
+                continue
+            stats = 2 * layer.features / layout.degree(layer.space_out, mesh_shape) * 4
+            if config.norm_statistics == "global":
+                terms.append(CommTerm("all-gather", "batch-norm statistics of every piece", pieces, pieces * stats))
+                terms.append(CommTerm("all-reduce", "batch-norm gradient sums", pieces, stats))
+            else:
+                terms.append(CommTerm("all-reduce", "batch-norm running statistics", pieces, stats))
+                terms.append(CommTerm("all-reduce", "batch-norm scale and bias gradients", pieces, stats))
 
     for i, layer in enumerate(layers):
         tp_out = layout.degree(layer.space_out, mesh_shape)

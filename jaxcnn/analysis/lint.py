@@ -3,9 +3,10 @@ the compiled step contains that its layout did not expect.
 
     print(format_report(lint_program(program)))
 
-The collective check classifies each collective by what it moves: `param` when every
-array it returns has the shape of a parameter or of one device's shard of one (up to a
-transposed layout; scalars are neutral), `activation` otherwise. A layout declares the
+The collective check classifies each collective by what it moves: `statistics` when batch
+norm's statistics code emitted it (its named scope), `param` when every array it returns
+has the shape of a parameter or of one device's shard of one (up to a transposed layout;
+scalars are neutral), `activation` otherwise. A layout declares the
 (kind, role) pairs it expects; anything else is reported, e.g. an all-gather of
 activations under `tp`, which means two consecutive layers split the same way.
 """
@@ -18,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxcnn.analysis.cost import program_collectives
 from jaxcnn.analysis.hlo import Collective
+from jaxcnn.models.batch_norm import STATISTICS_SCOPE
 from jaxcnn.program import Program
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import Layout
@@ -34,7 +36,7 @@ class ShardingReport:
     placements: list[ParamPlacement]
     warnings: list[str] = field(default_factory=list)
     collectives: list[Collective] | None = None  # None: not compiled
-    roles: list[str] = field(default_factory=list)  # "param" | "activation", per collective
+    roles: list[str] = field(default_factory=list)  # "statistics" | "param" | "activation", per collective
 
     @property
     def bytes_per_device(self) -> int:
@@ -76,7 +78,7 @@ def _shape_key(shape) -> tuple[int, ...]:
 
 
 def classify(found: list[Collective], placements: list[ParamPlacement], mesh: Mesh) -> list[str]:
-    """ "param" or "activation" for every collective (see the module docstring)."""
+    """ "statistics", "param" or "activation" for every collective (the module docstring)."""
     shapes = set()
     for p in placements:
         shapes.add(_shape_key(p.shape))
@@ -84,6 +86,9 @@ def classify(found: list[Collective], placements: list[ParamPlacement], mesh: Me
     roles = []
     for c in found:
         arrays = [s for s in c.shapes if s]  # scalars (the loss, step counts) say nothing
+        if STATISTICS_SCOPE in c.line:
+            roles.append("statistics")
+            continue
         roles.append("param" if arrays and all(_shape_key(s) in shapes for s in arrays) else "activation")
     return roles
 

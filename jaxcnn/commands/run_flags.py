@@ -18,6 +18,7 @@ from jaxcnn.config import (
     IMAGENET_STEM_FROM,
     LR_SCALINGS,
     MAX_POOL_KERNELS,
+    NORM_STATISTICS,
     NORMS,
     OPTIMIZERS,
     REMAT_NAMES,
@@ -51,6 +52,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--norm", choices=NORMS, default=ModelConfig().norm, help="normalisation after each conv (default %(default)s)"
     )
+    g.add_argument(
+        "--norm-statistics", choices=NORM_STATISTICS, default=ModelConfig().norm_statistics,
+        help="batch norm in training: the global batch's statistics, or each device's own (no collective; "
+        "noisier on small per-device batches) (default %(default)s)",
+    )  # fmt: skip
     g.add_argument("--dropout", type=float, default=0.0, help="dropout rate between dense layers")
     g.add_argument("--num-classes", type=int, default=10)
     g.add_argument(

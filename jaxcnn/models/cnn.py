@@ -64,7 +64,7 @@ class ConvBlock(nnx.Module):
             dtype=dtype,
             rngs=rngs,
         )
-        self.norm = norm_layer(norm, features, dtype, rngs)
+        self.norm = norm_layer(norm, features, dtype, rngs, config.norm_statistics)
 
     def __call__(self, x_BHWC: jax.Array, train: bool, rngs: nnx.Rngs | None = None) -> jax.Array:
         return run_block(self, x_BHWC, train)

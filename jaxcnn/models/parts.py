@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import jax
 from flax import nnx
 
+from jaxcnn.models.batch_norm import BatchNorm
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import NAMES_KEY
 
@@ -19,7 +20,7 @@ def named(*names: str) -> dict:
     return {NAMES_KEY: names}
 
 
-def norm_layer(kind: str, features: int, dtype, rngs: nnx.Rngs) -> nnx.Module | None:
+def norm_layer(kind: str, features: int, dtype, rngs: nnx.Rngs, statistics: str = "global") -> nnx.Module | None:
     meta = named(ax.NORM)
     if kind == "none":
         return None
@@ -30,7 +31,7 @@ def norm_layer(kind: str, features: int, dtype, rngs: nnx.Rngs) -> nnx.Module | 
     stable = {"use_fast_variance": False, "scale_metadata": meta, "bias_metadata": meta, "dtype": dtype, "rngs": rngs}
     if kind == "batch":  # flax computes the statistics in float32 even for a bfloat16 dtype
         # momentum 0.9 and epsilon 1e-5 are torch's BatchNorm2d defaults (its momentum=0.1)
-        norm = nnx.BatchNorm(features, momentum=0.9, **stable)
+        norm = BatchNorm(features, momentum=0.9, local=statistics == "per-device", **stable)
         for stat in (norm.mean, norm.var):  # running statistics: same placement as scale/bias
             stat.set_metadata(**meta)
         return norm

@@ -99,7 +99,7 @@ def _conv(layer: LayerShape, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Conv:
 
 
 def _norm(layer: LayerShape, config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module | None:
-    return norm_layer(config.norm, layer.features, jnp.dtype(config.dtype), rngs)
+    return norm_layer(config.norm, layer.features, jnp.dtype(config.dtype), rngs, config.norm_statistics)
 
 
 class Stem(nnx.Module):

@@ -122,14 +122,18 @@ def _expect(*pairs: str) -> frozenset[tuple[str, str]]:
     return frozenset(tuple(pair.split(":")) for pair in pairs)
 
 
+# Batch norm over a split batch: its statistics' one all-gather forward and one all-reduce
+# backward per layer (jaxcnn.models.batch_norm).
+NORM_STATISTICS = _expect("all-gather:statistics", "all-reduce:statistics")
+
 SINGLE = Layout(name="single", default_mesh="data=1", expected_collectives=frozenset())
 
 DP = Layout(
     name="dp",
     activations=((ax.BATCH, (ax.DATA,)),),
     default_mesh="data=-1",
-    # gradients (one fused all-reduce), batch-norm statistics, the loss
-    expected_collectives=_expect("all-reduce:param", "all-reduce:activation"),
+    # gradients (fused all-reduces), batch-norm statistics, the loss
+    expected_collectives=_expect("all-reduce:param", "all-reduce:activation") | NORM_STATISTICS,
 )
 
 FSDP = Layout(
@@ -141,10 +145,11 @@ FSDP = Layout(
     fsdp=(ax.DATA,),
     default_mesh="data=-1",
     # parameters gathered, gradients reduce-scattered (on CPU: all-reduced, then sliced);
-    # small replicated tensors' gradients, BN statistics and the loss all-reduced
+    # small replicated tensors' gradients and the loss all-reduced; BN statistics
     expected_collectives=_expect(
         "all-gather:param", "reduce-scatter:param", "all-reduce:param", "all-reduce:activation"
-    ),
+    )
+    | NORM_STATISTICS,
 )
 
 # Tensor parallelism needs nothing but two rules because the model names its channel
@@ -164,7 +169,7 @@ TP = Layout(
 )
 
 # dp across `data`, tp inside `model`: gradients all-reduced over data, partial sums over model
-HYBRID = compose("hybrid", DP, TP, default_mesh="data=-1,model=2", expected=TP_COLLECTIVES)
+HYBRID = compose("hybrid", DP, TP, default_mesh="data=-1,model=2", expected=TP_COLLECTIVES | NORM_STATISTICS)
 
 SPATIAL = Layout(
     name="spatial",
@@ -174,7 +179,7 @@ SPATIAL = Layout(
     # step at 224x224 where the activation is 1.6 MB.
     activations=((ax.BATCH, (ax.DATA,)), (ax.HEIGHT, (ax.SPATIAL,)), (ax.FEATURES, ())),
     default_mesh="data=-1,spatial=2",
-    # halos (permutes); gradients and BN statistics all-reduced over data x spatial;
+    # halos (permutes); gradients all-reduced over data x spatial, BN statistics likewise;
     # heights that stop dividing after pooling, and the flatten, gathered whole again
     expected_collectives=_expect(
         "collective-permute:activation",
@@ -182,7 +187,8 @@ SPATIAL = Layout(
         "all-reduce:activation",
         "all-gather:activation",
         "all-gather:param",
-    ),
+    )
+    | NORM_STATISTICS,
 )
 
 # GPipe: consecutive layer groups on the `stage` axis, micro-batches streamed through them,

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcnn.sharding.axes import IMAGE_BHWC
 from jaxcnn.sharding.layouts import Layout
 
 LogicalNames = tuple[str | None, ...]
@@ -226,6 +227,51 @@ def constrain(x: jax.Array, logical: LogicalNames) -> jax.Array:
         return x
     layout, mesh = active
     return constrain_sharding(x, NamedSharding(mesh, activation_spec(logical, layout, mesh, x.shape)))
+
+
+def _image_split() -> tuple[list[tuple[str, ...]], object, Mesh] | None:
+    """Under `activation_layout`: the mesh axes (not already a shard_map's) the batch,
+    height and width of an image activation split over, its channels' spec entry, the mesh."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    layout, mesh = active
+    context = jax.sharding.get_abstract_mesh()
+    manual = set(context.manual_axes) if not context.empty else set()
+    spec = activation_spec(IMAGE_BHWC, layout, mesh)
+    axes = []
+    for entry in spec[:3]:
+        named = () if entry is None or entry is P.UNCONSTRAINED else (entry if isinstance(entry, tuple) else (entry,))
+        axes.append(tuple(a for a in named if a not in manual and mesh.shape[a] > 1))
+    return axes, spec[3], mesh
+
+
+def image_pieces(shape: Sequence[int]) -> tuple[int, int, int]:
+    """Into how many pieces the active layout cuts an image activation (B, H, W, C) of
+    `shape` along batch, height and width (1s outside `activation_layout`). Divisibility
+    alone decides, not `MIN_ROWS_PER_SHARD`: inside a block XLA keeps a strided conv's
+    output split down to a row a device."""
+    split = _image_split()
+    if split is None:
+        return (1, 1, 1)
+    axes, _, mesh = split
+    ways = [math.prod(mesh.shape[a] for a in dim_axes) for dim_axes in axes]
+    return tuple(w if size % w == 0 else 1 for size, w in zip(shape[:3], ways, strict=True))
+
+
+def constrain_pieces(x: jax.Array, dim: int, pieces: tuple[int, int, int], split: bool) -> jax.Array:
+    """Pin per-piece values (`image_pieces`; dimension `dim` runs over the pieces, batch
+    major, the last is channels) to the devices that own the pieces (`split`), or whole on
+    every device (one all-gather). A no-op outside `activation_layout`."""
+    found = _image_split()
+    if found is None:
+        return x
+    axes, channels, mesh = found
+    owners = tuple(a for dim_axes, n in zip(axes, pieces, strict=True) if n > 1 for a in dim_axes)
+    entries = [None] * x.ndim
+    entries[dim] = _as_spec_entry(owners) if split else None
+    entries[-1] = channels
+    return constrain_sharding(x, NamedSharding(mesh, P(*entries)))
 
 
 def constrain_sharding(tree, shardings):

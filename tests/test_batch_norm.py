@@ -1,0 +1,168 @@
+"""Batch norm with one collective each way (jaxcnn.models.batch_norm): the same numbers as
+flax's two-pass batch norm over the whole batch, however the batch is cut over devices, and
+one all-gather forward plus one all-reduce backward per layer in the compiled step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import compiled_program
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcnn.analysis.hlo import collectives
+from jaxcnn.analysis.lint import classify
+from jaxcnn.config import ModelConfig
+from jaxcnn.models import layer_shapes
+from jaxcnn.models.batch_norm import BatchNorm
+from jaxcnn.sharding import build_mesh, get_layout
+from jaxcnn.sharding.partition import activation_layout
+
+SHAPE = (16, 8, 8, 6)  # batch 16: two images a device on data=8
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _pair(local=False):
+    """Ours and flax's, same float64 parameters (scale and bias not 1 and 0)."""
+    rng = np.random.default_rng(1)
+    kwargs = {"momentum": 0.9, "use_fast_variance": False, "dtype": jnp.float64, "param_dtype": jnp.float64}
+    ours, flax = BatchNorm(6, local=local, rngs=nnx.Rngs(0), **kwargs), nnx.BatchNorm(6, rngs=nnx.Rngs(0), **kwargs)
+    scale, bias = jnp.asarray(rng.normal(1, 0.2, 6)), jnp.asarray(rng.normal(0, 0.2, 6))
+    for bn in (ours, flax):
+        bn.scale[...], bn.bias[...] = scale, bias
+    return ours, flax
+
+
+def _batch():
+    rng = np.random.default_rng(0)  # a mean 6x the spread: where E[x^2] - E[x]^2 would cancel
+    return jnp.asarray(rng.normal(3.0, 0.5, SHAPE)), jnp.asarray(rng.normal(size=SHAPE))
+
+
+def _loss(bn, x, weights):
+    return jnp.sum(jnp.sin(bn(x, use_running_average=False)) * weights)
+
+
+def _grads(bn, x, weights, layout=None, mesh=None):
+    """d loss / d (scale, bias, x) and the running statistics after the step, under jit with
+    the batch split as `layout` says on `mesh` (None: one device)."""
+    graphdef, state = nnx.split(bn)
+
+    def step(state, x):
+        def loss(params, x):
+            module = nnx.merge(graphdef, params, copy=True)
+            if layout is None:
+                return _loss(module, x, weights), nnx.state(module)
+            with activation_layout(layout, mesh):
+                return _loss(module, x, weights), nnx.state(module)
+
+        (_, after), (d_state, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
+        return d_state["scale"][...], d_state["bias"][...], dx, after["mean"][...], after["var"][...]
+
+    if mesh is not None:
+        x = jax.device_put(x, NamedSharding(mesh, P(*layout_entries(layout, mesh))))
+    return [np.asarray(a) for a in jax.jit(step)(state, x)]
+
+
+def layout_entries(layout, mesh):
+    return [tuple(a for a in layout.axes_for(name) or () if a in mesh.shape) or None for name in ("batch", "height")]
+
+
+@pytest.mark.parametrize(
+    ("layout", "mesh"),
+    [(None, None), ("dp", {"data": 8}), ("spatial", {"data": 2, "spatial": 4}), ("hybrid", {"data": 4, "model": 2})],
+    ids=["one-device", "dp-8", "spatial-2x4", "hybrid-4x2"],
+)
+def test_statistics_and_gradients_equal_flax_two_pass_over_the_whole_batch(x64, layout, mesh):
+    ours, flax = _pair()
+    x, weights = _batch()
+    expected = _grads(flax, x, weights)
+    found = _grads(ours, x, weights, layout and get_layout(layout), mesh and build_mesh(mesh))
+    for name, a, b in zip(("d_scale", "d_bias", "dx", "running mean", "running var"), found, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+def test_inside_a_shard_map_the_statistics_run_over_its_axis(x64):
+    """Gradient accumulation's path: per-device shards, `axis_name` the batch's axis; the
+    local scale and bias gradients are this device's share (their mean is the batch's)."""
+    ours, flax = _pair()
+    x, weights = _batch()
+    expected = _grads(flax, x, weights)
+    mesh = build_mesh({"data": 4})
+    graphdef, state = nnx.split(ours)
+
+    def per_device(state, x, weights):
+        def loss(params, x):
+            module = nnx.merge(graphdef, params, copy=True)
+            module.axis_name = ("data",)
+            return _loss(module, x, weights)
+
+        d_state, dx = jax.grad(loss, argnums=(0, 1))(state, x)
+        return jax.lax.pmean(d_state["scale"][...], "data"), dx
+
+    mapped = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P("data")), check_vma=False
+    )
+    d_scale, dx = jax.jit(mapped)(state, x, weights)
+    np.testing.assert_allclose(np.asarray(dx), expected[2], rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(np.asarray(d_scale) * 4, expected[0], rtol=1e-12)  # 4 devices' mean x 4: the sum
+
+
+def test_per_device_statistics_normalise_each_piece_on_its_own(x64):
+    ours, _ = _pair(local=True)
+    x, weights = _batch()
+    found = _grads(ours, x, weights, get_layout("dp"), build_mesh({"data": 4}))
+    quarters = [_grads(_pair()[1], x[i : i + 4], weights[i : i + 4]) for i in range(0, 16, 4)]
+    np.testing.assert_allclose(found[2], np.concatenate([q[2] for q in quarters]), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(found[0], sum(q[0] for q in quarters), rtol=1e-12)  # scale: summed over the pieces
+    np.testing.assert_allclose(found[3], np.mean([q[3] for q in quarters], axis=0), rtol=1e-12)  # running: averaged
+
+
+RESNET18 = ModelConfig(name="resnet18", conv_features=(8, 8, 16, 16))  # ResNet-18's 20 batch norms, narrow
+CNN = ModelConfig(name="cnn2d_2layer_fullconnected_1layer", conv_features=(8, 16))
+
+
+@pytest.mark.parametrize(
+    ("model", "layout", "mesh", "image"),
+    [
+        (CNN, "dp", {"data": 8}, (8, 8, 1)),
+        (CNN, "fsdp", {"data": 8}, (8, 8, 1)),
+        (CNN, "spatial", {"data": 2, "spatial": 4}, (8, 8, 1)),
+        (RESNET18, "dp", {"data": 8}, (16, 16, 3)),
+        (RESNET18, "fsdp", {"data": 8}, (16, 16, 3)),
+        (RESNET18, "spatial", {"data": 4, "spatial": 2}, (16, 16, 3)),
+    ],
+    ids=["cnn-dp", "cnn-fsdp", "cnn-spatial", "resnet18-dp", "resnet18-fsdp", "resnet18-spatial"],
+)
+def test_one_collective_each_way_per_batch_norm_layer(model, layout, mesh, image):
+    program = compiled_program(get_layout(layout), mesh, model, steps=4, batch_size=32, image_shape=image)
+    found = collectives(program.train_step.as_text(), program.mesh.size)
+    roles = classify(found, program.anatomy.placements, program.mesh)
+    norms = sum(1 for layer in layer_shapes(model, image) if layer.norm_path)
+    widths = {layer.features for layer in layer_shapes(model, image) if layer.norm_path}
+    gathered = [c for c, role in zip(found, roles, strict=True) if role == "statistics" and c.kind == "all-gather"]
+    assert len(gathered) == norms  # forward: one all-gather a layer, of every piece's moments
+    # backward: each layer's (2, C) sums all-reduced once (XLA may fuse several layers' into one)
+    summed = [c for c in found if c.kind == "all-reduce" for shape in c.shapes if shape in {(2, w) for w in widths}]
+    assert len(summed) == norms
+    assert all(c.group_size == program.mesh.size for c in gathered + summed)  # over every device at once
+    if layout != "spatial":  # the rest: the gradients' fused reduction, the loss and the accuracy
+        assert Counter(c.kind for c in found)["all-reduce"] <= norms + 4
+
+
+def test_per_device_statistics_gather_nothing():
+    model = ModelConfig(name=CNN.name, conv_features=CNN.conv_features, norm_statistics="per-device")
+    program = compiled_program(get_layout("dp"), {"data": 8}, model, steps=4, batch_size=32, image_shape=(8, 8, 1))
+    found = collectives(program.train_step.as_text(), program.mesh.size)
+    assert not [c for c in found if c.kind == "all-gather"]
+    # forward: the running averages; backward: scale's and bias's gradients (with the others)
+    assert Counter(c.kind for c in found)["all-reduce"] <= 2 + 3
