@@ -1,14 +1,17 @@
-"""Start N processes of experiments/train.py on this machine, as N hosts would run it.
+"""Start N processes of experiments/train.py on this machine: one per GPU (torchrun-like),
+or, on a CPU-only machine, as N hosts would run it.
 
-python experiments/launch_local.py --num-processes 2 -- --mesh data=4 --epochs 2
+python experiments/launch_local.py --num-processes 8 --devices-per-process 1 -- --mesh data=8   # 8 GPUs
+python experiments/launch_local.py --num-processes 2 -- --mesh data=4 --epochs 2                # CPU
 python experiments/launch_local.py --num-processes 2 --devices-per-process 2 -- --layout hybrid --mesh data=2,model=2
 
-Each process gets --coordinator localhost:PORT --num-processes N --process-id I and
---host-devices D (CPU collectives between them: gloo). Output lines are prefixed with the
-process id. When a process fails, the others are stopped after a short grace period and
-the launcher exits with its status. On a real cluster run train.py itself on every host,
-e.g. with SLURM: `srun --ntasks=2 --nodes=2 python experiments/train.py --mesh data=16`
-(jax reads the SLURM variables; no flags needed).
+Process I gets --coordinator localhost:PORT --num-processes N --process-id I and
+--local-devices I*D..I*D+D-1: its own GPUs, or on a CPU-only machine D simulated devices
+(CPU collectives between them: gloo). Output lines are prefixed with the process id. When
+a process fails, the others are stopped after a short grace period and the launcher exits
+with its status. On a cluster run train.py itself on every host, e.g. with SLURM, one task
+per GPU: `srun --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 python experiments/train.py
+--mesh data=2,model=8` (jax reads the SLURM variables and takes the task's GPU; no flags).
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ def parse_flags(argv=None):
     parser = argparse.ArgumentParser(prog="launch_local.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--num-processes", type=int, required=True)
-    parser.add_argument("--devices-per-process", type=int, default=2, help="simulated CPU devices each (default 2)")
+    parser.add_argument(
+        "--devices-per-process", type=int, default=2, help="GPUs (or simulated CPU devices) each (default 2)"
+    )
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py's flags")
     args = parser.parse_args(argv)
     if args.num_processes < 1 or args.devices_per_process < 1:
@@ -56,7 +61,8 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str]) 
     for i in range(num_processes):
         cmd = [
             sys.executable, str(SCRIPT), *train_args, "--coordinator", f"localhost:{port}",
-            "--num-processes", str(num_processes), "--process-id", str(i), "--host-devices", str(devices_per_process),
+            "--num-processes", str(num_processes), "--process-id", str(i),
+            "--local-devices", ",".join(str(i * devices_per_process + k) for k in range(devices_per_process)),
         ]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(proc)

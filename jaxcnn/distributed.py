@@ -6,8 +6,13 @@ JAXCNN_NUM_PROCESSES, JAXCNN_PROCESS_ID), those are used; otherwise, inside a SL
 step or an Open MPI launch of 2+ tasks, jax detects the cluster itself; otherwise the run
 is one process. It must happen before JAX touches a device.
 
+One process per GPU: `--local-devices 3` gives this process GPU 3 alone (jax.distributed's
+`local_device_ids`); under SLURM with a task per GPU, jax takes the task's from SLURM_LOCALID
+itself. On a CPU-only machine `--local-devices` counts the devices to simulate, so the same
+launch line (experiments/launch_local.py) runs there.
+
 A dead peer: every process sends the coordinator heartbeats; when one stops (killed,
-machine lost) the coordination service fails the others after `HEARTBEAT_TIMEOUT_S`, and a
+machine lost) the coordination service fails the others after `--heartbeat-timeout`, and a
 collective already waiting on the dead peer fails as soon as its connection drops. Either
 way the survivors exit non-zero instead of hanging (tests/test_multihost.py measures it).
 """
@@ -20,9 +25,8 @@ from dataclasses import dataclass
 import jax
 
 from jaxcnn.errors import UserError
-
-HEARTBEAT_TIMEOUT_S = 10  # jax's default is 100 s; a training step here is far shorter
-INIT_TIMEOUT_S = 120  # how long process 0 waits for the others to join
+from jaxcnn.host_memory import computes_on_cpu
+from jaxcnn.run_config import ClusterConfig
 
 ENV = {"coordinator": "JAXCNN_COORDINATOR", "num_processes": "JAXCNN_NUM_PROCESSES", "process_id": "JAXCNN_PROCESS_ID"}
 
@@ -33,6 +37,9 @@ class Cluster:
     num_processes: int = 1
     process_id: int = 0
     auto: bool = False  # SLURM / Open MPI: let jax read the cluster
+    local_devices: tuple[int, ...] | None = None  # None: every device of the host (or SLURM's task GPU)
+    heartbeat_timeout: int = 100
+    join_timeout: int = 300
 
     @property
     def multi_process(self) -> bool:
@@ -49,17 +56,19 @@ def _env_int(name: str) -> int | None:
         raise UserError(f"environment variable {name}={text!r} is not an integer") from None
 
 
-def cluster_from(coordinator: str | None, num_processes: int | None, process_id: int | None) -> Cluster:
+def cluster_from(config: ClusterConfig) -> Cluster:
     """The cluster from flags, else environment variables, else SLURM / Open MPI, else one process."""
-    coordinator = coordinator or os.environ.get(ENV["coordinator"])
-    num_processes = num_processes if num_processes is not None else _env_int(ENV["num_processes"])
-    process_id = process_id if process_id is not None else _env_int(ENV["process_id"])
+    coordinator = config.coordinator or os.environ.get(ENV["coordinator"])
+    num_processes = config.num_processes if config.num_processes is not None else _env_int(ENV["num_processes"])
+    process_id = config.process_id if config.process_id is not None else _env_int(ENV["process_id"])
+    timing = {"heartbeat_timeout": config.heartbeat_timeout, "join_timeout": config.join_timeout}
+    local = {"local_devices": config.local_devices, **timing}
     if coordinator is None:
         if num_processes not in (None, 1) or process_id not in (None, 0):
             raise UserError("--num-processes / --process-id need --coordinator HOST:PORT (process 0's address)")
         slurm = _env_int("SLURM_NTASKS") or 1
         mpi = _env_int("OMPI_COMM_WORLD_SIZE") or 1
-        return Cluster(auto=max(slurm, mpi) > 1)
+        return Cluster(auto=max(slurm, mpi) > 1, **local)
     host, sep, port = coordinator.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"--coordinator {coordinator!r} must be HOST:PORT, e.g. 10.0.0.1:1234")
@@ -67,7 +76,7 @@ def cluster_from(coordinator: str | None, num_processes: int | None, process_id:
         raise UserError("--coordinator needs --num-processes N (N >= 1)")
     if process_id is None or not 0 <= process_id < num_processes:
         raise UserError(f"--process-id must be in 0..{num_processes - 1} for --num-processes {num_processes}")
-    return Cluster(coordinator, num_processes, process_id)
+    return Cluster(coordinator, num_processes, process_id, **local)
 
 
 def initialize(cluster: Cluster) -> None:
@@ -75,18 +84,14 @@ def initialize(cluster: Cluster) -> None:
     if not cluster.multi_process:
         return
     try:
-        if cluster.auto:
-            jax.distributed.initialize(
-                initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S
-            )
-        else:
-            jax.distributed.initialize(
-                cluster.coordinator,
-                cluster.num_processes,
-                cluster.process_id,
-                initialization_timeout=INIT_TIMEOUT_S,
-                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
-            )
+        jax.distributed.initialize(
+            cluster.coordinator,  # None (auto): jax reads SLURM's or Open MPI's variables
+            None if cluster.auto else cluster.num_processes,
+            None if cluster.auto else cluster.process_id,
+            local_device_ids=None if computes_on_cpu() else cluster.local_devices,  # CPU: counted, not chosen
+            initialization_timeout=cluster.join_timeout,
+            heartbeat_timeout_seconds=cluster.heartbeat_timeout,
+        )
     except Exception as err:  # jax raises RuntimeError / XlaRuntimeError with a long text
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise UserError(f"could not join the cluster at {cluster.coordinator or 'auto-detected'}: {first}") from None

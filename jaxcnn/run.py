@@ -49,8 +49,8 @@ def train(config: RunConfig) -> dict:
     augment = RandomResizedCrop() if data.augment == "imagenet" else Augment(data.augment_shift, data.augment_flip)
     loader = Loader(train_set, augment=augment, workers=data.workers_for(train_set.in_memory), depth=data.prefetch)
 
-    cluster = cluster_from(config.cluster.coordinator, config.cluster.num_processes, config.cluster.process_id)
-    simulate_devices_for(config.parallel, cluster.num_processes)
+    cluster = cluster_from(config.cluster)
+    simulate_devices_for(config.parallel, cluster.num_processes, cluster.local_devices)
     initialize(cluster)  # jax.distributed, before any device is touched
     lead = jax.process_index() == 0
     if jax.devices()[0].platform == "cpu" and len(jax.devices()) > 1 and config.parallel.host_devices is None and lead:

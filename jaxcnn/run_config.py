@@ -83,6 +83,7 @@ class ParallelConfig:
     layout: str = "dp"  # one of LAYOUT_NAMES
     layout_rules: str | None = None  # your own table, e.g. "batch=data,conv_out=model" (replaces layout)
     mesh: str | None = None  # e.g. "data=4,model=2" (-1 fills the rest); None: the layout's
+    dcn_mesh: str | None = None  # each axis's ways across hosts, e.g. "data=2" (None: hosts split `data` first)
     host_devices: int | None = None  # CPU devices to simulate (None: what the mesh needs)
     microbatches: int | None = None  # pipeline only
     stage_split: tuple[int, ...] | None = None  # pipeline only: each stage's first layer after the first
@@ -108,6 +109,24 @@ class ClusterConfig:
     coordinator: str | None = None  # process 0's HOST:PORT
     num_processes: int | None = None
     process_id: int | None = None
+    local_devices: tuple[int, ...] | None = None  # this process's accelerators (None: all, or SLURM's task GPU)
+    heartbeat_timeout: int = 100  # seconds a process may miss heartbeats before the others fail
+    join_timeout: int = 300  # seconds process 0 waits for the others to join
+
+    def __post_init__(self):
+        if self.local_devices is not None:
+            object.__setattr__(self, "local_devices", tuple(self.local_devices))
+            if (
+                not self.local_devices
+                or min(self.local_devices) < 0
+                or len(set(self.local_devices)) < len(self.local_devices)
+            ):
+                raise UserError(
+                    f"--local-devices must list distinct device numbers >= 0, e.g. 0 or 0,1; got {self.local_devices}"
+                )
+        for flag, seconds in (("heartbeat-timeout", self.heartbeat_timeout), ("join-timeout", self.join_timeout)):
+            if seconds < 1:
+                raise UserError(f"--{flag} must be a positive number of seconds, got {seconds}")
 
 
 @dataclass(frozen=True)

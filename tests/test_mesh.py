@@ -1,13 +1,17 @@
 """Mesh flags, layouts and user rules tables: parsing and validation."""
 
+import warnings
+from dataclasses import dataclass
+
 import jax
+import numpy as np
 import pytest
 from jax.sharding import AxisType
 
 from jaxcnn.errors import UserError
 from jaxcnn.run_config import ParallelConfig
 from jaxcnn.sharding import LAYOUTS, build_mesh, get_layout, mesh_for, parse_mesh, parse_rules, resolve_mesh
-from jaxcnn.sharding.mesh import check_layout_axes, host_devices_for
+from jaxcnn.sharding.mesh import across_hosts, check_layout_axes, device_grid, host_devices_for
 
 
 def test_parse_keeps_axis_order_and_sizes():
@@ -115,3 +119,61 @@ def test_layout_axes_must_be_in_the_mesh():
         check_layout_axes(("data",), {"model": 8}, "dp")
     notes = check_layout_axes(("data",), {"data": 4, "model": 2}, "dp")
     assert notes == ["mesh axis model=2 is not used by layout dp: its devices hold replicas"]
+
+
+@dataclass(frozen=True)
+class FakeGPU:
+    """What JAX's mesh utilities read of a device."""
+
+    id: int
+    process_index: int
+    platform: str = "gpu"
+    device_kind: str = "NVIDIA H100 80GB HBM3"
+
+
+def hosts_of_grid(grid) -> list:
+    return np.vectorize(lambda d: d.process_index)(grid).tolist()
+
+
+TWO_HOSTS = [FakeGPU(i, i // 8) for i in range(16)]  # 2 hosts x 8 GPUs, one process each
+
+
+@pytest.mark.parametrize("mesh", [{"data": 2, "model": 8}, {"model": 8, "data": 2}], ids=["data-first", "model-first"])
+def test_on_two_hosts_model_groups_stay_inside_a_host_and_data_spans_them(mesh):
+    grid = device_grid(mesh, TWO_HOSTS)
+    assert grid.shape == tuple(mesh.values())
+    hosts = hosts_of_grid(grid if next(iter(mesh)) == "data" else grid.T)  # rows: one data index each
+    assert hosts == [[0] * 8, [1] * 8]  # every model group (a row) on one host; data across hosts
+
+
+def test_tp_on_eight_of_sixteen_takes_one_host_and_a_fast_axis_across_hosts_is_warned_about():
+    assert hosts_of_grid(device_grid({"model": 8}, TWO_HOSTS[:8])) == [0] * 8
+    with pytest.warns(UserWarning, match="model=16 spans hosts"):
+        device_grid({"model": 16}, TWO_HOSTS)
+
+
+def test_one_process_per_gpu_keeps_model_groups_on_consecutive_processes():
+    per_gpu = [FakeGPU(i, i) for i in range(16)]  # 16 processes: ranks host-major, as SLURM and torchrun give
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: the hosts are not known, only the order
+        grid = device_grid({"data": 2, "model": 8}, per_gpu)
+    assert hosts_of_grid(grid) == [list(range(8)), list(range(8, 16))]
+
+
+def test_dcn_mesh_says_which_axis_crosses_hosts():
+    assert across_hosts({"data": 2, "model": 8}, 2) == {"data": 2, "model": 1}
+    assert across_hosts({"data": 4, "fsdp": 4}, 8) == {"data": 4, "fsdp": 2}  # slowest axes first
+    grid = device_grid({"data": 4, "fsdp": 4}, TWO_HOSTS, dcn_mesh={"fsdp": 2})
+    assert hosts_of_grid(grid) == [[0, 0, 1, 1]] * 4  # fsdp's halves on different hosts, data inside each
+    with pytest.raises(UserError, match="does not divide"):
+        across_hosts({"data": 2, "model": 8}, 2, {"model": 3})
+    with pytest.raises(UserError, match="spans 4 hosts but the run has 2"):
+        across_hosts({"data": 4, "model": 4}, 2, {"data": 4})
+    with pytest.raises(UserError, match="cannot be spread over 3 hosts"):
+        across_hosts({"data": 2, "model": 8}, 3)
+
+
+def test_one_host_lays_devices_out_slowest_axis_first():
+    devices = jax.devices()[:8]
+    grid = build_mesh({"model": 2, "data": 4}, devices).devices
+    assert [d.id for d in grid[:, 0]] == [devices[i].id for i in (0, 1)] and grid[0, 1] == devices[2]

@@ -13,12 +13,12 @@ import pytest
 from conftest import REPO, write_folder
 
 from jaxcnn.commands import main as jaxcnn_main
-from jaxcnn.distributed import HEARTBEAT_TIMEOUT_S
 
 TRAIN, LAUNCH = REPO / "experiments/train.py", REPO / "experiments/launch_local.py"
 TINY = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32", "--max-steps", "12",
         "--epochs", "1", "--quiet"]  # fmt: skip
 # a survivor is told within the heartbeat timeout; the margin covers process start and teardown
+HEARTBEAT_TIMEOUT_S = 10
 DEAD_PEER_BOUND_S = HEARTBEAT_TIMEOUT_S + 20
 
 
@@ -75,7 +75,7 @@ def test_a_dead_peer_ends_the_run_within_the_bound(tmp_path):
     # not --quiet: process 0 prints a line at each epoch's end (its stdout is a pipe, not a terminal)
     common = [sys.executable, str(TRAIN), *TINY[:-5], "--epochs", "100000", "--mesh", "data=4",
               "--results-dir", str(tmp_path), "--coordinator", f"localhost:{port}", "--num-processes", "2",
-              "--host-devices", "2"]  # fmt: skip
+              "--host-devices", "2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]  # fmt: skip
     procs = [
         subprocess.Popen([*common, "--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)

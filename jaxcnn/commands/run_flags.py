@@ -31,7 +31,7 @@ from jaxcnn.config import (
     OptimConfig,
     TrainConfig,
 )
-from jaxcnn.run_config import AUGMENTS, DEFAULT_SIMULATED_DEVICES
+from jaxcnn.run_config import AUGMENTS, DEFAULT_SIMULATED_DEVICES, ClusterConfig
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +127,11 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--layout-rules", help="your own rules table, e.g. batch=data,conv_out=model")
     g.add_argument("--mesh", help="mesh shape, e.g. data=4,model=2 (-1 fills the rest); default: the layout's")
     g.add_argument(
+        "--dcn-mesh",
+        help="several hosts: how many ways each mesh axis runs across hosts, e.g. data=2 (the rest of each axis "
+        "stays inside a host); default: the hosts split data first",
+    )
+    g.add_argument(
         "--host-devices",
         type=int,
         help=f"simulate N CPU devices (default on a CPU-only machine: what the mesh needs, else "
@@ -200,6 +205,19 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env JAXCNN_COORDINATOR)")
     g.add_argument("--num-processes", type=int, help="processes in the run (env JAXCNN_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, help="this process, 0..N-1 (env JAXCNN_PROCESS_ID)")
+    g.add_argument(
+        "--local-devices", type=int_list,
+        help="this process's GPUs, e.g. 3 for one process per GPU (default: all of the host's; under SLURM, the "
+        "task's); on a CPU-only machine, that many simulated devices",
+    )  # fmt: skip
+    g.add_argument(
+        "--heartbeat-timeout", type=int, default=ClusterConfig().heartbeat_timeout,
+        help="seconds without a peer's heartbeat before the others stop (default %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--join-timeout", type=int, default=ClusterConfig().join_timeout,
+        help="seconds process 0 waits for the others to join (default %(default)s)",
+    )  # fmt: skip
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", help="save Orbax checkpoints here (asynchronously)")
     g.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default %(default)s)")

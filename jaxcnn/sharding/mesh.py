@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxcnn.errors import UserError
@@ -39,15 +40,19 @@ def mesh_shape_for(parallel: ParallelConfig) -> tuple[Layout, MeshShape]:
     return layout, shape
 
 
-def simulate_devices_for(parallel: ParallelConfig, processes: int = 1) -> None:
+def simulate_devices_for(
+    parallel: ParallelConfig, processes: int = 1, local_devices: tuple[int, ...] | None = None
+) -> None:
     """On a CPU-only machine, give JAX the devices the mesh needs (--host-devices decides when
-    given; the processes of a multi-process run share the mesh's). Must run before JAX
-    touches a device; on an accelerator it only shapes the unused CPU backend."""
+    given, else one per --local-devices entry; the processes of a multi-process run share the
+    mesh's). Must run before JAX touches a device; on an accelerator it only shapes the
+    unused CPU backend."""
     _, shape = mesh_shape_for(parallel)
-    count = host_devices_for(shape, parallel.host_devices, DEFAULT_SIMULATED_DEVICES)
-    if processes > 1 and parallel.host_devices is None:
+    given = parallel.host_devices if parallel.host_devices is not None else local_devices and len(local_devices)
+    count = host_devices_for(shape, given, DEFAULT_SIMULATED_DEVICES)
+    if processes > 1 and not given:
         count = max(count // processes, 1)
-    simulate_cpu_devices(count, at_least=parallel.host_devices is None)
+    simulate_cpu_devices(count, at_least=not given)
 
 
 def mesh_for(parallel: ParallelConfig, devices: Sequence | None = None) -> tuple[Layout, Mesh]:
@@ -58,11 +63,23 @@ def mesh_for(parallel: ParallelConfig, devices: Sequence | None = None) -> tuple
     devices = list(jax.devices() if devices is None else devices)
     count = devices_needed(shape) or len(devices)
     if count > len(devices):
-        hint = f"; on a CPU machine, --host-devices {count}" if devices[0].platform == "cpu" else ""
-        raise UserError(f"mesh {format_mesh(shape)} needs {count} devices but {len(devices)} exist{hint}")
+        raise UserError(
+            f"mesh {format_mesh(shape)} needs {count} devices but {len(devices)} exist{_more(devices, count)}"
+        )
     if count < len(devices) and parallel.mesh:  # (a layout's own fixed mesh -- single's -- is no surprise)
         warnings.warn(f"mesh {format_mesh(shape)} uses {count} of the {len(devices)} devices", stacklevel=2)
-    return layout, build_mesh(resolve_mesh(shape, count), devices[:count])
+    dcn = parse_mesh(parallel.dcn_mesh) if parallel.dcn_mesh else None
+    return layout, build_mesh(resolve_mesh(shape, count), devices[:count], dcn)
+
+
+def _more(devices: Sequence, count: int) -> str:
+    """How to get `count` devices on the platform of `devices`: its own flag."""
+    if devices and devices[0].platform == "cpu":
+        return f"; on a CPU machine, --host-devices {count}"
+    return (
+        "; a process sees its host's accelerators (fewer with --local-devices or CUDA_VISIBLE_DEVICES), a "
+        "multi-process run every process's: start more processes (--num-processes) or hosts"
+    )
 
 
 def parse_mesh(text: str) -> MeshShape:
@@ -118,8 +135,9 @@ def devices_needed(shape: MeshShape) -> int | None:
     return None if -1 in shape.values() else math.prod(shape.values())
 
 
-def build_mesh(shape: MeshShape, devices: list | None = None) -> Mesh:
-    """A mesh over the first prod(shape) devices, with Auto (GSPMD) axes.
+def build_mesh(shape: MeshShape, devices: list | None = None, dcn_mesh: MeshShape | None = None) -> Mesh:
+    """A mesh over the first prod(shape) devices, ordered by `device_grid` (fast axes inside
+    a host), with Auto (GSPMD) axes.
 
     Auto axes make sharding constraints hints that XLA propagates from, which is what
     a layout-as-a-table needs: the same model code compiles under every table. (Explicit
@@ -130,10 +148,79 @@ def build_mesh(shape: MeshShape, devices: list | None = None) -> Mesh:
     if count > len(devices):
         raise UserError(
             f"mesh {format_mesh(shape)} needs {count} devices but only {len(devices)} exist; "
-            f"use a smaller mesh or, on a CPU machine, --host-devices {count}"
+            f"use a smaller mesh{_more(devices, count).replace('; ', ' or ', 1)}"
         )
-    grid = np.asarray(devices[:count], dtype=object).reshape(tuple(shape.values()))
+    grid = device_grid(shape, devices[:count], dcn_mesh)
     return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+# --- device order ---------------------------------------------------------------------
+
+# Mesh axes from the one that communicates least per step to the one that communicates
+# most: `data` all-reduces gradients once a step, `model` all-reduces activations in every
+# layer. Devices are laid out in this order, so the last axes take neighbouring devices
+# (inside one host, on its NVLink) and `data` spans hosts.
+SLOW_TO_FAST = (ax.DATA, ax.FSDP, ax.STAGE, ax.SPATIAL, ax.MODEL)
+FAST_AXES = (ax.SPATIAL, ax.MODEL)  # a step's many small exchanges: across hosts, warned about
+
+
+def hosts_of(devices: Sequence) -> int:
+    """How many processes own `devices`: the granules laid out as hosts (a process is a host,
+    or one GPU of one, whose ranks run host by host as SLURM and torchrun number them)."""
+    return len({d.process_index for d in devices})
+
+
+def across_hosts(shape: MeshShape, hosts: int, dcn_mesh: MeshShape | None = None) -> MeshShape:
+    """How many ways each axis runs across hosts: `dcn_mesh` as given (the rest inside a
+    host), else the hosts spread over the slowest axes first (`data`, ...)."""
+    if dcn_mesh is not None:
+        for name, ways in dcn_mesh.items():
+            if name not in shape or shape[name] % ways:
+                raise UserError(
+                    f"--dcn-mesh {format_mesh(dcn_mesh)}: {name}={ways} does not divide mesh {format_mesh(shape)}; "
+                    "give each axis's across-host part, a divisor of its size"
+                )
+        if math.prod(dcn_mesh.values()) != hosts:
+            raise UserError(
+                f"--dcn-mesh {format_mesh(dcn_mesh)} spans {math.prod(dcn_mesh.values())} hosts but the run has "
+                f"{hosts} processes; make its sizes multiply to {hosts}"
+            )
+        return {name: dcn_mesh.get(name, 1) for name in shape}
+    left, split = hosts, {}
+    for name in sorted(shape, key=SLOW_TO_FAST.index):
+        split[name] = math.gcd(left, shape[name])
+        left //= split[name]
+    if left != 1:
+        raise UserError(
+            f"mesh {format_mesh(shape)} cannot be spread over {hosts} hosts with the same devices on each; "
+            f"make an axis (data) a multiple of {hosts}"
+        )
+    return {name: split[name] for name in shape}
+
+
+def device_grid(shape: MeshShape, devices: Sequence, dcn_mesh: MeshShape | None = None) -> np.ndarray:
+    """`devices` arranged as `shape` (axes in its order): laid out slowest axis first
+    (`SLOW_TO_FAST`) by JAX's mesh utilities -- `create_hybrid_device_mesh` when they belong
+    to several processes, the across-host part of each axis from `across_hosts` -- so fast
+    axes stay inside a host whatever order `--mesh` names them in."""
+    order = sorted(shape, key=SLOW_TO_FAST.index)
+    hosts = hosts_of(devices)
+    if hosts == 1:
+        grid = mesh_utils.create_device_mesh([shape[a] for a in order], devices, allow_split_physical_axes=True)
+    else:
+        dcn = across_hosts(shape, hosts, dcn_mesh)
+        spanning = [f"{a}={shape[a]}" for a in FAST_AXES if dcn.get(a, 1) > 1]
+        if spanning and len(devices) > hosts:  # (one device a process -- one process a GPU -- says nothing of hosts)
+            warnings.warn(
+                f"mesh axis {', '.join(spanning)} spans hosts: its collectives cross the network every layer; "
+                "keep it inside a host (e.g. --mesh data=<hosts>,model=<devices per host>)",
+                stacklevel=3,
+            )
+        grid = mesh_utils.create_hybrid_device_mesh(
+            [shape[a] // dcn[a] for a in order], [dcn[a] for a in order], devices,
+            process_is_granule=True, allow_split_physical_axes=True,
+        )  # fmt: skip
+    return np.transpose(grid, [order.index(a) for a in shape])
 
 
 def simulate_cpu_devices(count: int, at_least: bool = False) -> None:
