@@ -46,13 +46,16 @@ class Evaluation:
 
 
 def evaluate(program: Program, state, dataset: Dataset) -> Evaluation:
-    loss_sum = correct_sum = 0.0
-    predictions = []
+    """Every batch dispatched before any result is read: the devices never wait on the host
+    between evaluation batches (one transfer of the sums and predictions at the end)."""
+    outputs, masks = [], []
     for images, labels, mask in eval_batches(dataset, program.eval_input.batch_size):
-        loss, correct, predicted = program.eval_step(state, *program.eval_input.place(images, labels, mask))
-        loss_sum, correct_sum = loss_sum + float(loss), correct_sum + float(correct)
-        predictions.append(np.asarray(predicted)[mask > 0])
-    predictions = np.concatenate(predictions)
+        outputs.append(program.eval_step(state, *program.eval_input.place(images, labels, mask)))
+        masks.append(mask)
+    outputs = jax.device_get(outputs)
+    loss_sum = sum(float(loss) for loss, _, _ in outputs)
+    correct_sum = sum(float(correct) for _, correct, _ in outputs)
+    predictions = np.concatenate([np.asarray(p)[m > 0] for (_, _, p), m in zip(outputs, masks, strict=True)])
     if dataset.labels is None:
         return Evaluation(None, None, predictions)
     return Evaluation(loss_sum / len(dataset), correct_sum / len(dataset), predictions)
@@ -242,7 +245,7 @@ def _train_epoch(
             jax.block_until_ready(state)
             training_log.first_step_finished = time.perf_counter()
             training_log.first_step_seconds = training_log.first_step_finished - start
-        batches.dispatched(step_metrics["loss"])  # and the next batch is placed while this step runs
+        batches.dispatched(step_metrics["loss"])  # the stall's clock: when this step finishes
         training_log.step += 1
         training_log.images_seen += batch
         done += 1

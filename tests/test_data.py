@@ -225,19 +225,20 @@ class _SlowIterator:
 def test_a_wait_for_input_counts_as_a_stall_only_once_the_devices_have_finished():
     from jaxcnn.data import Batches, Schedule
 
-    batches = Batches(_SlowIterator(0.2), Schedule([5]), [_placement(1, (), devices=1)], first_step=0)
+    # a batch every 0.3 s, read ahead by the placing thread from the start: ready at
+    # 0.3 (the pipeline starting), 0.6, 0.9, 1.2
+    batches = Batches(_SlowIterator(0.3), Schedule([5]), [_placement(1, (), devices=1)], first_step=0)
     batches.next()  # the pipeline starting: not a stall
-    assert batches.startup_seconds >= 0.2
-    batches.dispatched(_Device(0.5))  # a step longer than the wait: the devices never idle
+    assert batches.startup_seconds >= 0.3
+    batches.dispatched(_Device(0.5))  # busy until 0.8: the wait for batch 1 (until 0.6) idles nothing
     batches.next()
-    assert batches.take_stall_seconds() < 0.05
-    batches.dispatched(_Device(0.1))  # a step shorter than the wait by 0.1 s: that is the stall
-    batches.next()
+    batches.dispatched(_Device(0.1))  # queued behind it: the devices finish both at 0.8
+    batches.next()  # batch 2 at 0.9: the devices idle from 0.8, 0.1 s of this 0.3 s wait
     stall = batches.take_stall_seconds()
-    assert 0.07 <= stall <= 0.15, stall
-    assert batches.wait_seconds >= 0.4  # the host waited through both; only the idle part stalls
-    batches.next()  # the next epoch's first wait follows the step dispatched in the last one
-    assert batches.take_stall_seconds() >= 0.15  # that step had long finished: all of it idles
+    assert 0.05 <= stall <= 0.16, stall
+    assert batches.wait_seconds >= 0.5  # the host waited through both; only the idle part stalls
+    batches.next()  # batch 3 at 1.2; the last step had finished at 0.8: all of this wait idles
+    assert batches.take_stall_seconds() >= 0.2
     assert batches.position()["next_step"] == 4
     batches.close()
 

@@ -1,7 +1,7 @@
 """The input pipeline: each step's examples, read (decoded), augmented and prefetched on
 grain's workers -- the `Loader` the fit loop draws batches from -- and handed over placed
-on the devices as the step takes them (jaxcnn.sharding.placement), the next batch placed
-while the current step runs.
+on the devices as the step takes them (jaxcnn.sharding.placement), by a thread that keeps
+the next batches placed while the current step runs.
 
 Every process computes the same global batch order and builds only the rows its own
 devices hold (`BatchShare`), so multi-host input needs no other code and the global
@@ -161,14 +161,18 @@ class BuildBatch(grain.transforms.Map):
         return step, images, self.dataset.labels[examples]
 
 
+DEVICE_PREFETCH = 2  # batches placed on the devices ahead of the loop (flax's prefetch_to_device size)
+
+
 class Batches:
     """The run's training batches, in step order, from one grain iterator that spans every
-    epoch (so prefetch crosses epoch boundaries). `next()` gives the next step's batch as
-    the global arrays its step takes (`placements[epoch]`); once that step is dispatched
-    (`dispatched`), the batch after it is read and sent to the devices while the step runs.
-    `position()` is the loader's place for a checkpoint: the next step the loop takes,
-    which with the seed fixes the next example exactly (batch k's examples depend on
-    nothing else), whatever the worker count of the run that resumes from it.
+    epoch (so prefetch crosses epoch boundaries). A reader thread takes each step's rows
+    from the pipeline and places them on the devices as its step takes them
+    (`placements[epoch]`), up to `DEVICE_PREFETCH` batches ahead, so host-to-device copies
+    overlap the running steps; `next()` hands them over in order. `position()` is the
+    loader's place for a checkpoint: the next step the loop takes, which with the seed fixes
+    the next example exactly (batch k's examples depend on nothing else), whatever the
+    worker count of the run that resumes from it.
 
     The input stall: the part of each wait for a batch during which the devices had nothing
     left to run. Tell it each step's outputs (`dispatched`); a watcher thread notes when
@@ -180,45 +184,61 @@ class Batches:
     def __init__(self, iterator, steps: Schedule, placements: Sequence[BatchPlacement], first_step: int):
         self._iterator, self._steps, self._placements = iterator, steps, placements
         self._next_step = first_step  # the next step the loop takes
-        self._ahead: tuple[jax.Array, jax.Array] | None = None  # that step's batch, once placed
         self._waits: list[tuple[int, float, float]] = []  # (steps dispatched before it, start, end)
         self._finished: dict[int, float] = {}  # step count -> when that many had finished
         self._dispatched = 0
         self._watch: queue.Queue = queue.Queue()
         self._watcher = threading.Thread(target=self._note_finishes, name="jaxcnn-device-clock", daemon=True)
         self._watcher.start()
+        self._placed: queue.Queue = queue.Queue(maxsize=DEVICE_PREFETCH)
+        self._closing = threading.Event()
+        self._reader = threading.Thread(target=self._read_ahead, name="jaxcnn-device-prefetch", daemon=True)
+        self._reader.start()
         self.wait_seconds = 0.0
         self.startup_seconds: float | None = None
 
     def next(self) -> tuple[jax.Array, jax.Array]:
-        """The next step's (images, labels), placed as its step takes them."""
-        batch = self._read() if self._ahead is None else self._ahead
-        self._ahead = None
-        self._next_step += 1
-        return batch
-
-    def dispatched(self, outputs) -> None:
-        """`outputs` of the step just dispatched (any of its arrays): the next batch is read
-        and placed now, while that step runs."""
-        self._dispatched += 1
-        self._watch.put((self._dispatched, outputs))
-        if self._ahead is None and self._next_step < len(self._steps):
-            self._ahead = self._read()
-
-    def _read(self) -> tuple[jax.Array, jax.Array]:
-        """Step `_next_step`'s rows from the pipeline, placed on the devices; the wait timed."""
+        """The next step's (images, labels), placed as its step takes them; the wait timed."""
+        if self._next_step >= len(self._steps):
+            raise RuntimeError(f"the loader has no step {self._next_step}: the run has {len(self._steps)}")
         start = time.perf_counter()
-        step, images, labels = next(self._iterator)
-        if step != self._next_step:  # a restored loader must stand exactly where its run stopped
-            raise RuntimeError(f"the loader gave step {step} where step {self._next_step} was due")
-        batch = self._placements[self._steps[step].epoch].place_rows(images, labels)
+        batch = self._placed.get()
         end = time.perf_counter()
+        if isinstance(batch, BaseException):  # the reader's error (a corrupt file...), raised where it is read
+            raise batch
         if self.startup_seconds is None:
             self.startup_seconds = end - start
         else:
             self._waits.append((self._dispatched, start, end))
             self.wait_seconds += end - start
+        self._next_step += 1
         return batch
+
+    def dispatched(self, outputs) -> None:
+        """`outputs` of the step just dispatched (any of its arrays), for the stall's clock."""
+        self._dispatched += 1
+        self._watch.put((self._dispatched, outputs))
+
+    def _read_ahead(self) -> None:
+        """The reader thread: every step's rows from the pipeline, placed on the devices."""
+        step = self._next_step
+        try:
+            while step < len(self._steps) and not self._closing.is_set():
+                got, images, labels = next(self._iterator)
+                if got != step:  # a restored loader must stand exactly where its run stopped
+                    raise RuntimeError(f"the loader gave step {got} where step {step} was due")
+                self._hand_over(self._placements[self._steps[step].epoch].place_rows(images, labels))
+                step += 1
+        except BaseException as err:  # handed to the loop, which raises it
+            self._hand_over(err)
+
+    def _hand_over(self, item) -> None:
+        while not self._closing.is_set():
+            try:
+                self._placed.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def _note_finishes(self) -> None:
         while (item := self._watch.get()) is not None:
@@ -248,6 +268,8 @@ class Batches:
         return {"next_step": self._next_step}
 
     def close(self) -> None:
+        self._closing.set()
+        self._reader.join()  # after the batch it may be reading
         self._watch.put(None)
         self._watcher.join()
         self._iterator.close()
