@@ -21,8 +21,20 @@ def candidates():
 
 def test_dp_wins_when_the_replicated_state_fits_comfortably(candidates):
     best = candidates[0]
-    assert best.layout.name == "dp" and best.mesh_shape == {"data": 8}
-    assert "1. dp" in explain(candidates, 1e12)
+    assert best.layout.name == "dp"  # on 8 devices or fewer: the fixed costs of a tiny model decide
+    assert f"1. dp       {best.mesh}" in explain(candidates, 1e12)
+
+
+def test_a_tiny_model_plans_one_device_and_names_the_redundant_compute():
+    """Priced with kernel launches and collective hops, a model this small is fastest on one
+    device; spatial on 8x8 images makes every device compute most of every image."""
+    found = plan(TINY_PLAIN, (8, 8, 1), 32, 8, 1e12, get_profile("h100"), layouts=["single", "dp", "spatial"])
+    assert found[0].layout.name in ("single", "dp") and found[0].devices < 8
+    assert all(c.num_kernels > 0 for c in found)
+    by_mesh = {(c.layout.name, c.mesh): c for c in found}
+    assert by_mesh[("spatial", "data=1,spatial=8")].redundant and not by_mesh[("dp", "data=8")].redundant
+    assert by_mesh[("single", "data=1")].redundancy == pytest.approx(1.0)
+    assert "redundant compute" in explain(found, 1e12) and "spatial data=1,spatial=8" in explain(found, 1e12)
 
 
 def test_a_sharded_layout_wins_when_replicated_state_exceeds_the_budget(candidates):
@@ -47,6 +59,8 @@ def test_candidates_cover_every_factorisation():
     assert ("hybrid", (("data", 2), ("model", 4))) in names and ("hybrid", (("data", 4), ("model", 2))) in names
     assert ("spatial", (("data", 1), ("spatial", 8))) in names and ("dp", (("data", 8),)) in names
     assert [lay.name for lay, _ in candidates_for(1)] == ["single"]
+    fewer = [m for lay, m in candidates_for(8) if sum(m.values()) < 8 and lay.name in ("single", "dp")]
+    assert fewer == [{"data": 1}, {"data": 2}, {"data": 4}]  # the same batch on fewer devices
 
 
 # TINY_PLAIN's forward on a batch of 32 8x8x1 images: 2 FLOPs a multiply-add of each conv and dense
@@ -77,11 +91,19 @@ def test_pipeline_candidates_are_compiled_and_ranked():
         # forward's FLOPs), at most a whole step on its data shard
         assert 2 * FORWARD_FLOPS / (stages * data) <= c.flops <= 4 * FORWARD_FLOPS / data
         assert c.wire_bytes >= c.cost.transfer_bytes
-        # priced: compute stretched by the bubble (S-1)/(M+S-1) (M = 2 micro-batches of 16), and
-        # each collective or send alpha (10 us on a GPU) + wire bytes / link bandwidth
+        # priced: compute (and each kernel's launch) stretched by the bubble (S-1)/(M+S-1) (M = 2
+        # micro-batches of 16); each hop of each collective the link's latency, each byte its bandwidth
         assert c.bubble_fraction == pytest.approx((stages - 1) / (2 + stages - 1))
-        assert c.compute_seconds == pytest.approx(c.flops / profile.flops("float32") / (1 - c.bubble_fraction))
-        assert c.comm_seconds == pytest.approx(c.num_collectives * 10e-6 + c.wire_bytes / profile.link_bytes_per_second)
+        launches = c.num_kernels * profile.kernel_seconds
+        assert c.compute_seconds == pytest.approx(
+            (c.flops / profile.flops("float32") + launches) / (1 - c.bubble_fraction)
+        )
+        hops = sum(
+            x.hops * x.repeats for x in max(c.cost.stage_collectives, key=lambda s: sum(x.step_wire_bytes for x in s))
+        )
+        assert c.comm_seconds == pytest.approx(
+            hops * profile.hop_seconds + c.wire_bytes / profile.link_bytes_per_second
+        )
     assert [c.step_seconds for c in found] == sorted(c.step_seconds for c in found)
     assert explain(found, 1e12).startswith(f"1. pipeline {found[0].mesh} ")
 

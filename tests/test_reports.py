@@ -83,10 +83,10 @@ def test_plan_prints_ranked_choices_and_writes_every_candidate(tmp_path, capsys)
     )  # fmt: skip
     text = capsys.readouterr().out
     assert "1. " in text and "fits:" in text and "4 x a100" in text and "4 x tpu-v5e" in text
-    assert text.count("compiling") == 3  # each candidate compiled once, then ranked on both profiles
+    assert text.count("compiling") == 4  # each candidate compiled once, then ranked on both profiles
     frame = pd.read_csv(out)
-    # only the layouts asked for: dp on data=4, spatial on its two meshes
-    assert frame["fits"].any() and set(frame["layout"]) == {"dp", "spatial"} and len(frame) == 6
+    # only the layouts asked for: dp on data=4 and on fewer (data=2), spatial on its two meshes
+    assert frame["fits"].any() and set(frame["layout"]) == {"dp", "spatial"} and len(frame) == 8
     a100, v5e = (frame[frame["hardware"] == name].set_index(["layout", "mesh"]) for name in ("a100", "tpu-v5e"))
     assert (a100["flops_per_device"] == v5e.loc[a100.index, "flops_per_device"]).all()
     assert (a100["step_seconds_model"] != v5e.loc[a100.index, "step_seconds_model"]).all()

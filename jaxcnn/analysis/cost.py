@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxcnn.analysis.hlo import Collective, collectives
+from jaxcnn.analysis.hlo import Collective, collectives, kernel_count
 from jaxcnn.autobatch import largest_batch
 from jaxcnn.build import build_program
 from jaxcnn.errors import UserError
@@ -111,6 +111,7 @@ class ProgramCost:
     stage_collectives: list[list[Collective]]
     transfer_bytes: int  # pipeline: the most one stage boundary carries, forward + backward
     num_collectives: int  # collectives (loops counted once) and sends between stages per step
+    num_kernels: int = 0  # kernels the busiest stage launches per step (loop bodies counted once)
 
     def kind_bytes(self, kind: str) -> int:
         return sum(c.step_bytes for stage in self.stage_collectives for c in stage if c.kind == kind) // len(
@@ -128,7 +129,7 @@ class ProgramCost:
 
 def program_cost(program: Program) -> ProgramCost:
     anatomy = program.anatomy
-    flops, temp, peak, found, count = [], [], [], [], 0
+    flops, temp, peak, found, kernels, count = [], [], [], [], [], 0
     for stage, optimizer_bytes in zip(anatomy.stages, anatomy.stage_optimizer_bytes, strict=True):
         analyses = [_analyses(part.compiled) for part in stage]
         flops.append(sum(part.calls * float(c.get("flops", 0.0)) for part, (_, c) in zip(stage, analyses, strict=True)))
@@ -138,6 +139,7 @@ def program_cost(program: Program) -> ProgramCost:
             live_bytes(m) + (0 if part.takes_optimizer_state else optimizer_bytes)
             for part, (m, _) in zip(stage, analyses, strict=True)
         ))  # fmt: skip
+        kernels.append(sum(part.calls * kernel_count(part.compiled.as_text()) for part in stage))
         per_part = [part_collectives(part) for part in stage]
         found.append([c for cs in per_part for c in cs])
         count += sum(len(cs) * part.calls for part, cs in zip(stage, per_part, strict=True))
@@ -150,6 +152,7 @@ def program_cost(program: Program) -> ProgramCost:
         stage_collectives=found,
         transfer_bytes=max(anatomy.boundary_bytes, default=0),
         num_collectives=count + anatomy.boundary_transfers,
+        num_kernels=max(kernels),
     )
 
 

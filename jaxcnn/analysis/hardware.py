@@ -17,6 +17,13 @@ Sources (dense, no sparsity):
 - cpu-here: measured on the development machine (2 AMD EPYC cores, Dec 2026): a 2048^2
   fp32 matmul under jit at 62 GFLOP/s, a 64 MiB numpy copy at 8.8 GB/s. Simulated
   devices share these two cores, so the planner divides both by the device count.
+
+The fixed costs, orders of magnitude rather than measurements, are what make a tiny model's
+answer "one device": `kernel_seconds` per kernel a step launches (a CUDA launch and the gap
+after it, 1-3 us; an XLA:TPU program's ops far less; an XLA:CPU thunk's dispatch) and
+`hop_seconds` per latency-bound step of a ring collective (NCCL's low-latency protocol over
+NVLink about 1 us a hop, so ~15 us for a small all-reduce over 8 GPUs; TPU ICI about 1 us;
+gloo between simulated devices tens of us).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ class HardwareProfile:
     flops_bf16: float
     memory_bytes: float  # per device
     link_bytes_per_second: float  # one way, per device
+    kernel_seconds: float  # fixed cost of each kernel a step launches
+    hop_seconds: float  # fixed cost of each latency-bound step of a collective (collective.hops)
     shared_host: bool = False  # simulated devices split one host's compute and bandwidth
 
     def flops(self, dtype: str = "float32") -> float:
@@ -43,11 +52,11 @@ GB, GiB = 1e9, 2**30
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
-        HardwareProfile("cpu-here", 62e9, 62e9, 24 * GiB, 8.8 * GB, shared_host=True),
-        HardwareProfile("a100", 156e12, 312e12, 80 * GB, 300 * GB),
-        HardwareProfile("h100", 495e12, 989e12, 80 * GB, 450 * GB),
-        HardwareProfile("h200", 495e12, 989e12, 141 * GB, 450 * GB),
-        HardwareProfile("tpu-v5e", 197e12 / 3, 197e12, 16 * GiB, 200 * GB),
+        HardwareProfile("cpu-here", 62e9, 62e9, 24 * GiB, 8.8 * GB, 2e-6, 20e-6, shared_host=True),
+        HardwareProfile("a100", 156e12, 312e12, 80 * GB, 300 * GB, 2e-6, 1.5e-6),
+        HardwareProfile("h100", 495e12, 989e12, 80 * GB, 450 * GB, 2e-6, 1e-6),
+        HardwareProfile("h200", 495e12, 989e12, 141 * GB, 450 * GB, 2e-6, 1e-6),
+        HardwareProfile("tpu-v5e", 197e12 / 3, 197e12, 16 * GiB, 200 * GB, 0.5e-6, 1e-6),
     )
 }
 

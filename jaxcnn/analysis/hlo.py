@@ -61,6 +61,13 @@ class Collective:
     def step_wire_bytes(self) -> float:
         return self.wire_bytes * self.repeats
 
+    @property
+    def hops(self) -> int:
+        """Latency-bound steps of the ring algorithm: each pays a link's latency once."""
+        if self.kind == "collective-permute":
+            return 1
+        return 2 * (self.group_size - 1) if self.kind == "all-reduce" else self.group_size - 1
+
 
 def ring_wire_bytes(kind: str, group_size: int, buffer_bytes: float) -> float:
     """Bytes one device sends for a collective on a ring of `group_size` (module docstring)."""
@@ -179,3 +186,49 @@ def collective_summary(found: list[Collective]) -> dict[str, dict[str, float]]:
 
 def kinds_seen(found: list[Collective]) -> Counter:
     return Counter(c.kind for c in found)
+
+
+# Instructions that launch no kernel of their own: bookkeeping, control flow (their bodies
+# are counted), and the second half of an asynchronous pair.
+NOT_KERNELS = frozenset(
+    [
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "while",
+        "call",
+        "conditional",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "opt-barrier",
+        "add-dependency",
+        "all-reduce-done",
+        "all-gather-done",
+        "collective-permute-done",
+        "copy-done",
+        "send-done",
+        "recv-done",
+        "async-done",
+    ]
+)
+_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9\-]*)\(")
+
+
+def kernel_count(hlo_text: str) -> int:
+    """Kernels one call of a compiled program launches: the instructions of its entry
+    computation and of its loops' bodies (each counted once, as collectives are), fusions
+    as one -- the fixed per-kernel cost a step pays however little each kernel computes."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+    count, counting = 0, False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            counting = line.startswith("ENTRY") or name.lstrip("%") in bodies
+            continue
+        match = _OPCODE.match(line) if counting else None
+        if match and match.group(1) not in NOT_KERNELS:
+            count += 1
+    return count

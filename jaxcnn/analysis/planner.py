@@ -5,25 +5,32 @@
     print(explain(candidates, budget_bytes))
 
 Every mesh factorisation of N x every layout is compiled ahead of time (nothing runs;
-on a CPU-only machine on N simulated devices) and read back: per-device peak memory
-(`memory_analysis`), FLOPs (`cost_analysis`) and every collective (the HLO). Candidates
-over the memory budget are dropped; the rest are ranked by modelled step time, an
-alpha-beta (Hockney) model:
+on a CPU-only machine on N simulated devices), and beside them one device and dp on every
+smaller divisor of N -- the same global batch on fewer devices -- and read back: per-device
+peak memory (`memory_analysis`), FLOPs (`cost_analysis`), kernels launched and every
+collective (the HLO). Candidates over the memory budget are dropped; the rest are ranked by
+modelled step time, an alpha-beta (Hockney) model with the fixed costs a GPU pays:
 
-    step = FLOPs per device / peak FLOP/s  +  sum over collectives (alpha + wire bytes / link B/s)
+    step = FLOPs per device / peak FLOP/s  +  kernels x kernel_seconds
+         + sum over collectives (hops x hop_seconds + wire bytes / link B/s)
+
+(jaxcnn.analysis.hardware gives each profile's figures). A candidate whose devices each do
+well over their share of the work (FLOPs per device above 1.5x the one-device program's /
+devices: spatial on images too small to split, tp's replicated layers) is named as
+redundant compute.
 
 A pipeline candidate is costed by its busiest stage (jaxcnn.analysis.cost): its compute
 stretched by the bubble, (M+S-1)/M, and the activations it sends to the next stage added
 to its wire bytes; its peak is that stage's largest program plus its optimizer state.
 
-alpha is a collective's fixed latency (~10 us for NCCL on NVLink, a few us on TPU ICI; an
-order of magnitude, not a measurement). Candidates within 3% of each other count as tied
-and the one that splits less wins (dp before hybrid before the rest): same speed, simpler
-program.
+Candidates within 3% of each other count as tied and the one on fewer devices, then the
+one that splits less (dp before hybrid before the rest), wins: same speed, cheaper and
+simpler.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from jaxcnn.analysis.cost import ProgramCost, program_cost
@@ -37,8 +44,8 @@ from jaxcnn.sharding.layouts import LAYOUTS, Layout, parse_rules
 from jaxcnn.sharding.mesh import build_mesh, format_mesh
 from jaxcnn.sharding.partition import quiet_fallbacks
 
-ALPHA_SECONDS = {"cpu-here": 20e-6, "tpu-v5e": 5e-6}  # default 10 us (GPUs)
 TIE = 0.03
+REDUNDANT = 1.5  # FLOPs per device above this x the fair share: flagged
 # fsdp and tp together: only a rules table (docs/layouts.md)
 FSDP_TP = parse_rules("batch=data,params=data,conv_out=model,mlp=model", name="fsdp+tp")
 SIMPLICITY = {"single": 0, "dp": 1, "hybrid": 2, "fsdp": 3, "tp": 4, "fsdp+tp": 5, "spatial": 6, "pipeline": 7}
@@ -54,6 +61,8 @@ class Candidate:
     flops: float = 0.0
     wire_bytes: float = 0.0
     num_collectives: int = 0
+    num_kernels: int = 0
+    redundancy: float = 1.0  # FLOPs per device / (the one-device program's / devices)
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     error: str | None = None  # why it could not be compiled (e.g. a size that does not divide)
@@ -68,13 +77,22 @@ class Candidate:
     def mesh(self) -> str:
         return format_mesh(self.mesh_shape)
 
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh_shape.values())
+
+    @property
+    def redundant(self) -> bool:
+        return self.redundancy > REDUNDANT
+
 
 def comm_seconds(cost: ProgramCost, profile: HardwareProfile, num_devices: int) -> float:
-    """Modelled time of a step's collectives: each costs alpha + wire bytes / link bandwidth
-    (simulated devices share one host's bandwidth N ways)."""
-    alpha = ALPHA_SECONDS.get(profile.name, 10e-6)
+    """Modelled time of a step's collectives: each hop of each costs the link's latency, each
+    wire byte the link's bandwidth (simulated devices share one host's bandwidth N ways)."""
+    busiest = max(cost.stage_collectives, key=lambda stage: sum(c.step_wire_bytes for c in stage))
+    hops = sum(c.hops * c.repeats for c in busiest)  # (a pipeline's sends between stages: their bytes only)
     share = num_devices if profile.shared_host else 1
-    return cost.num_collectives * alpha + cost.wire_bytes / (profile.link_bytes_per_second / share)
+    return hops * profile.hop_seconds + cost.wire_bytes / (profile.link_bytes_per_second / share)
 
 
 def _pairs(n: int) -> list[tuple[int, int]]:
@@ -85,9 +103,11 @@ def candidates_for(num_devices: int, max_stages: int = 0) -> list[tuple[Layout, 
     """Every layout x mesh factorisation worth compiling on `num_devices` (pipelines of up
     to `max_stages` stages: one pipeline unit each at most)."""
     n = num_devices
+    found = [(LAYOUTS["single"], {ax.DATA: 1})]  # fewer devices: the same batch on one, and dp on each divisor
+    found += [(LAYOUTS["dp"], {ax.DATA: d}) for d, _ in _pairs(n) if 1 < d < n]
     if n == 1:
-        return [(LAYOUTS["single"], {ax.DATA: 1})]
-    found = [(LAYOUTS["dp"], {ax.DATA: n}), (LAYOUTS["fsdp"], {ax.DATA: n}), (LAYOUTS["tp"], {ax.MODEL: n})]
+        return found
+    found += [(LAYOUTS["dp"], {ax.DATA: n}), (LAYOUTS["fsdp"], {ax.DATA: n}), (LAYOUTS["tp"], {ax.MODEL: n})]
     for data, model in _pairs(n):
         if data > 1 and model > 1:
             found.append((LAYOUTS["hybrid"], {ax.DATA: data, ax.MODEL: model}))
@@ -153,20 +173,26 @@ def compile_candidates(
         candidate.peak_bytes = cost.peak_bytes
         candidate.param_bytes, candidate.optimizer_bytes = cost.param_bytes, cost.optimizer_bytes
         candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes
-        candidate.num_collectives = cost.num_collectives
+        candidate.num_collectives, candidate.num_kernels = cost.num_collectives, cost.num_kernels
+    total = min((c.flops * c.devices for c in out if c.cost is not None), default=0.0)  # the one-device work
+    for c in out:
+        if c.cost is not None and total:
+            c.redundancy = c.flops * c.devices / total
     return out
 
 
 def price(candidates: list[Candidate], profile: HardwareProfile, num_devices: int, dtype: str) -> list[Candidate]:
     """The candidates with modelled compute and communication seconds on `profile` (copies)."""
-    share = num_devices if profile.shared_host else 1  # simulated devices share one host's FLOP/s
     priced = []
     for candidate in candidates:
         candidate = replace(candidate)
         if candidate.cost is not None:
+            share = candidate.devices if profile.shared_host else 1  # simulated devices share one host's FLOP/s
             stretch = 1 / (1 - candidate.bubble_fraction)  # (M+S-1)/M: a pipeline stage idles in the bubble
-            candidate.compute_seconds = candidate.flops / (profile.flops(dtype) / share) * stretch
-            candidate.comm_seconds = comm_seconds(candidate.cost, profile, num_devices)
+            candidate.compute_seconds = (
+                candidate.flops / (profile.flops(dtype) / share) + candidate.num_kernels * profile.kernel_seconds
+            ) * stretch
+            candidate.comm_seconds = comm_seconds(candidate.cost, profile, candidate.devices)
         priced.append(candidate)
     return priced
 
@@ -177,7 +203,8 @@ def rank(candidates: list[Candidate], budget_bytes: float) -> list[Candidate]:
     if fits:  # near-ties go to the simpler layout
         best = fits[0].step_seconds
         tied = sorted(
-            (c for c in fits if c.step_seconds <= best * (1 + TIE)), key=lambda c: SIMPLICITY.get(c.layout.name, 9)
+            (c for c in fits if c.step_seconds <= best * (1 + TIE)),
+            key=lambda c: (c.devices, SIMPLICITY.get(c.layout.name, 9)),
         )
         fits = tied + [c for c in fits if c not in tied]
     over = sorted((c for c in ok if c.peak_bytes > budget_bytes), key=lambda c: c.peak_bytes)
@@ -208,11 +235,17 @@ def explain(candidates: list[Candidate], budget_bytes: float, top: int = 3) -> s
         lines.append(
             f"{i}. {c.layout.name:<8} {c.mesh:<20} step {c.step_seconds * 1e3:8.3f} ms modelled "
             f"(compute {c.compute_seconds * 1e3:.3f} ms, communication {c.comm_seconds * 1e3:.3f} ms = {comm_share:.0%}; "
-            f"{c.num_collectives} collectives)"
+            f"{c.num_collectives} collectives, {c.num_kernels} kernels; {c.devices} device{'s' * (c.devices > 1)})"
         )
         lines.append(
             f"   fits: {_mib(c.peak_bytes)} of {_mib(budget_bytes)} per device "
             f"(parameters {_mib(c.param_bytes)}, optimizer {_mib(c.optimizer_bytes)})"
+        )
+    redundant = [c for c in candidates if c.error is None and c.redundant]
+    if redundant:
+        lines.append(
+            "redundant compute (FLOPs per device over their share): "
+            + ", ".join(f"{c.layout.name} {c.mesh} {c.redundancy:.1f}x" for c in redundant)
         )
     dropped = [c for c in candidates if c.error is None and c.peak_bytes > budget_bytes]
     if dropped:
