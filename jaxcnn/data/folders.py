@@ -33,7 +33,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from jaxcnn.data.crops import Box, centre_box, draft_reduction, example_crop, random_box
-from jaxcnn.data.resize import decode_jpeg_rgb, resize, resize_box
+from jaxcnn.data.resize import decode_jpeg_rgb, mirrored, resize, resize_box
 from jaxcnn.data.sources import Dataset
 from jaxcnn.errors import UserError
 
@@ -113,7 +113,7 @@ def decode_box(
         scale = width / pixels.shape[1]
         box = tuple(v / scale for v in box)
     pixels = resize_box(pixels, box, image_size)
-    return pixels[:, ::-1] if flip else pixels
+    return mirrored(pixels) if flip else pixels
 
 
 @dataclass(frozen=True)

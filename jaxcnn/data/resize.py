@@ -67,6 +67,13 @@ def resize_box(pixels_HWC: np.ndarray, box, size: tuple[int, int]) -> np.ndarray
     return whole[y : y + size[0], x : x + size[1]]
 
 
+def mirrored(pixels_HWC: np.ndarray) -> np.ndarray:
+    """`pixels_HWC` (uint8) flipped left-right, as a contiguous array: OpenCV's flip, about
+    ten times faster than copying numpy's reversed view (`[:, ::-1]`), whose element-wise
+    copy cost more than the crop and resize together."""
+    return _cv2().flip(np.ascontiguousarray(pixels_HWC), 1).reshape(pixels_HWC.shape)
+
+
 def decode_jpeg_rgb(data: bytes, reduction: int = 1) -> np.ndarray | None:
     """A JPEG's bytes -> RGB uint8 [H, W, 3], decoded at 1/`reduction` scale (1, 2, 4, 8) in
     the DCT domain (H, W rounded up, as libjpeg does); None if it cannot be decoded (corrupt

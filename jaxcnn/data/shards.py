@@ -41,7 +41,7 @@ from grain.sources import ArrayRecordDataSource
 from PIL import Image, UnidentifiedImageError
 
 from jaxcnn.data.crops import centre_box, example_crop, random_box
-from jaxcnn.data.resize import decode_jpeg_rgb, resize, resize_box
+from jaxcnn.data.resize import decode_jpeg_rgb, mirrored, resize, resize_box
 from jaxcnn.errors import UserError
 
 FORMAT_VERSION = 1
@@ -198,7 +198,7 @@ class ShardImages:
             uniforms_A4, flip = example_crop(draws_D)
             pixels = self._pixels(row)
             pixels = resize_box(pixels, random_box(uniforms_A4, *pixels.shape[:2]), self.image_size)
-            out.append(pixels[:, ::-1] if flip else pixels)
+            out.append(mirrored(pixels) if flip else pixels)
         return self._stack(out)
 
     def subset(self, index) -> ShardImages:
