@@ -160,3 +160,13 @@ def test_augment_imagenet_trains_on_a_folder_and_a_corrupt_jpeg_is_one_line(tmp_
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"train.py: error: image {root / 'dog' / '001.jpg'} cannot be")
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_mirrored_equals_numpys_reversed_columns(channels):
+    from jaxcnn.data.resize import mirrored
+
+    pixels = np.random.default_rng(0).integers(0, 256, (7, 5, channels), dtype=np.uint8)
+    flipped = mirrored(pixels)
+    assert flipped.shape == pixels.shape and flipped.flags.c_contiguous
+    np.testing.assert_array_equal(flipped, pixels[:, ::-1])
