@@ -4,7 +4,8 @@ import pytest
 from conftest import TINY_PLAIN
 
 from jaxcnn.analysis.hardware import get_profile
-from jaxcnn.analysis.planner import candidates_for, explain, plan, rank
+from jaxcnn.analysis.hlo import spanned_axes
+from jaxcnn.analysis.planner import across_hosts_of, candidates_for, comm_seconds, explain, plan, rank
 from jaxcnn.analysis.verdicts import step_verdicts, verdict
 from jaxcnn.config import ModelConfig, parse_bytes
 from jaxcnn.errors import UserError
@@ -126,3 +127,26 @@ def test_verdicts():
     assert step_verdicts(_rows((1, 1.0), (2, 1.9), (4, 2.3))) == [
         "baseline", "1.90x for 2x devices: pays", "1.21x for 2x devices: does not pay",
     ]  # fmt: skip
+
+
+def test_collectives_across_hosts_are_priced_at_the_network_inside_at_the_link():
+    """hybrid data=2,model=4 on 2 hosts of 4: `model` stays inside a host (the link), `data`
+    crosses (the network); on one host every collective is on the link."""
+    profile = get_profile("h100")
+    (hybrid,) = [
+        c for c in plan(TINY_PLAIN, (8, 8, 1), 32, 8, 1e12, profile, layouts=["hybrid"]) if c.mesh == "data=2,model=4"
+    ]
+    mesh = hybrid.mesh_shape
+    found = hybrid.cost.stage_collectives[0]
+    spans = {spanned_axes(c, mesh) for c in found}
+    assert ("model",) in spans and ("data",) in spans
+    one = comm_seconds(hybrid.cost, profile, mesh)
+    two = comm_seconds(hybrid.cost, profile, mesh, across={"data": 2, "model": 1})
+    crossing = [c for c in found if "data" in spanned_axes(c, mesh)]
+    extra = sum(
+        c.repeats * (c.hops * (profile.network_hop_seconds - profile.hop_seconds)
+                     + c.wire_bytes * (1 / profile.network_bytes_per_second - 1 / profile.link_bytes_per_second))
+        for c in crossing
+    )  # fmt: skip
+    assert two - one == pytest.approx(extra) and extra > 0
+    assert across_hosts_of(mesh, 8, 2) == {"data": 2, "model": 1} and across_hosts_of({"data": 4}, 8, 2) is None

@@ -6,6 +6,12 @@ traffic sent per device) is divided by. `flops_fp32` is what an fp32 JAX program
 on NVIDIA Ampere and later XLA runs fp32 convolutions and matmuls on TF32 tensor cores at
 default precision, so it is the dense TF32 peak there.
 
+Between hosts (`network_*`: a collective whose group spans hosts runs at these): a DGX
+A100 has one 200 Gb/s HDR InfiniBand port per GPU (25 GB/s one way), a DGX H100/H200 one
+400 Gb/s NDR port per GPU (50 GB/s); TPU v5e hosts reach each other over the data-centre
+network, about 50 Gb/s per chip (an order of magnitude). A hop between hosts: ~5 us over
+InfiniBand, ~10 us over a data-centre network.
+
 Sources (dense, no sparsity):
 - A100 SXM4 80 GB: NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16, 156 TF32, 80 GB,
   NVLink 3 600 GB/s bidirectional.
@@ -42,6 +48,8 @@ class HardwareProfile:
     link_bytes_per_second: float  # one way, per device
     kernel_seconds: float  # fixed cost of each kernel a step launches
     hop_seconds: float  # fixed cost of each latency-bound step of a collective (collective.hops)
+    network_bytes_per_second: float  # one way, per device, between hosts
+    network_hop_seconds: float  # a hop between hosts
     shared_host: bool = False  # simulated devices split one host's compute and bandwidth
 
     def flops(self, dtype: str = "float32") -> float:
@@ -52,11 +60,11 @@ GB, GiB = 1e9, 2**30
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
-        HardwareProfile("cpu-here", 62e9, 62e9, 24 * GiB, 8.8 * GB, 2e-6, 20e-6, shared_host=True),
-        HardwareProfile("a100", 156e12, 312e12, 80 * GB, 300 * GB, 2e-6, 1.5e-6),
-        HardwareProfile("h100", 495e12, 989e12, 80 * GB, 450 * GB, 2e-6, 1e-6),
-        HardwareProfile("h200", 495e12, 989e12, 141 * GB, 450 * GB, 2e-6, 1e-6),
-        HardwareProfile("tpu-v5e", 197e12 / 3, 197e12, 16 * GiB, 200 * GB, 0.5e-6, 1e-6),
+        HardwareProfile("cpu-here", 62e9, 62e9, 24 * GiB, 8.8 * GB, 2e-6, 20e-6, 8.8 * GB, 20e-6, shared_host=True),
+        HardwareProfile("a100", 156e12, 312e12, 80 * GB, 300 * GB, 2e-6, 1.5e-6, 25 * GB, 5e-6),
+        HardwareProfile("h100", 495e12, 989e12, 80 * GB, 450 * GB, 2e-6, 1e-6, 50 * GB, 5e-6),
+        HardwareProfile("h200", 495e12, 989e12, 141 * GB, 450 * GB, 2e-6, 1e-6, 50 * GB, 5e-6),
+        HardwareProfile("tpu-v5e", 197e12 / 3, 197e12, 16 * GiB, 200 * GB, 0.5e-6, 1e-6, 6.25 * GB, 10e-6),
     )
 }
 

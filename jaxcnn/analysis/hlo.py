@@ -16,9 +16,12 @@ buffer itself.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
+
+import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -232,3 +235,37 @@ def kernel_count(hlo_text: str) -> int:
         if match and match.group(1) not in NOT_KERNELS:
             count += 1
     return count
+
+
+_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH_AXIS = re.compile(r"'([^']+)'(?::\(\d+\)\d+)?")
+
+
+def _first_group(attrs: str, num_devices: int) -> list[int]:
+    """The device positions (in the mesh's order) of a collective's first group."""
+    if match := _IOTA.search(attrs):
+        groups, size = int(match.group(1)), int(match.group(2))
+        dims = [int(d) for d in match.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if match.group(4):
+            ids = ids.transpose([int(p) for p in match.group(4).split(",")])
+        return ids.reshape(groups, size)[0].tolist()
+    if match := _GROUPS_LIST.search(attrs):
+        return [int(d) for d in match.group(1).split("}")[0].strip("{").split(",") if d]
+    if match := _PAIRS.search(attrs):
+        return [int(d) for d in match.group(1).split("}")[0].strip("{").split(",") if d]
+    return list(range(num_devices))  # replica_groups={}: every device
+
+
+def spanned_axes(collective: Collective, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes a collective's groups run along: named by XLA's mesh form of
+    `replica_groups`, else those along which its first group's devices differ."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    if match := _GROUPS_MESH.search(collective.line):
+        printed = re.findall(r"'([^']+)'=\d+", match.group(1))
+        spanned = _MESH_AXIS.findall(match.group(2))
+        if len(printed) == len(names):  # XLA may print its own names ('axis_0'): the same axes, in order
+            return tuple(names[printed.index(a)] for a in spanned)
+    members = _first_group(collective.line, math.prod(sizes))
+    coords = np.array(np.unravel_index(members, sizes))
+    return tuple(name for name, row in zip(names, coords, strict=True) if len(set(row.tolist())) > 1)

@@ -35,13 +35,14 @@ from dataclasses import dataclass, replace
 
 from jaxcnn.analysis.cost import ProgramCost, program_cost
 from jaxcnn.analysis.hardware import HardwareProfile
+from jaxcnn.analysis.hlo import spanned_axes
 from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
 from jaxcnn.models import layer_shapes
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import LAYOUTS, Layout, parse_rules
-from jaxcnn.sharding.mesh import build_mesh, format_mesh
+from jaxcnn.sharding.mesh import across_hosts, build_mesh, format_mesh
 from jaxcnn.sharding.partition import quiet_fallbacks
 
 TIE = 0.03
@@ -86,13 +87,31 @@ class Candidate:
         return self.redundancy > REDUNDANT
 
 
-def comm_seconds(cost: ProgramCost, profile: HardwareProfile, num_devices: int) -> float:
-    """Modelled time of a step's collectives: each hop of each costs the link's latency, each
-    wire byte the link's bandwidth (simulated devices share one host's bandwidth N ways)."""
+def comm_seconds(
+    cost: ProgramCost, profile: HardwareProfile, mesh_shape: dict[str, int], across: dict[str, int] | None = None
+) -> float:
+    """Modelled time of a step's collectives: each hop of each costs a link's latency, each
+    wire byte its bandwidth -- the network's where the collective's group spans hosts
+    (`across`: each mesh axis's ways across hosts), else the link inside a host (simulated
+    devices share one host's bandwidth N ways)."""
     busiest = max(cost.stage_collectives, key=lambda stage: sum(c.step_wire_bytes for c in stage))
-    hops = sum(c.hops * c.repeats for c in busiest)  # (a pipeline's sends between stages: their bytes only)
-    share = num_devices if profile.shared_host else 1
-    return hops * profile.hop_seconds + cost.wire_bytes / (profile.link_bytes_per_second / share)
+    share = math.prod(mesh_shape.values()) if profile.shared_host else 1
+    inside, between = profile.link_bytes_per_second / share, profile.network_bytes_per_second / share
+    seconds = (cost.wire_bytes - sum(c.step_wire_bytes for c in busiest)) / inside  # a pipeline's sends
+    for c in busiest:
+        crosses = across is not None and any(across.get(a, 1) > 1 for a in spanned_axes(c, mesh_shape))
+        hop, bandwidth = (profile.network_hop_seconds, between) if crosses else (profile.hop_seconds, inside)
+        seconds += c.repeats * (c.hops * hop + c.wire_bytes / bandwidth)
+    return seconds
+
+
+def across_hosts_of(mesh_shape: dict[str, int], num_devices: int, hosts: int) -> dict[str, int] | None:
+    """Each axis's ways across hosts for a candidate on `hosts` hosts of num_devices / hosts
+    devices each (jaxcnn.sharding.mesh lays them out); None: it fits inside one host."""
+    devices, per_host = math.prod(mesh_shape.values()), num_devices // hosts
+    if hosts == 1 or devices <= per_host:
+        return None
+    return across_hosts(mesh_shape, devices // per_host)
 
 
 def _pairs(n: int) -> list[tuple[int, int]]:
@@ -131,13 +150,14 @@ def plan(
     *,
     dtype: str = "float32",
     layouts: list[str] | None = None,
+    hosts: int = 1,
     progress=None,
 ) -> list[Candidate]:
     """All candidates, best first: those that fit by modelled step time, then the rest by memory."""
     compiled = compile_candidates(
         model_config, image_shape, batch_size, num_devices, layouts=layouts, progress=progress
     )
-    return rank(price(compiled, profile, num_devices, dtype), budget_bytes)
+    return rank(price(compiled, profile, num_devices, dtype, hosts), budget_bytes)
 
 
 def compile_candidates(
@@ -181,8 +201,11 @@ def compile_candidates(
     return out
 
 
-def price(candidates: list[Candidate], profile: HardwareProfile, num_devices: int, dtype: str) -> list[Candidate]:
-    """The candidates with modelled compute and communication seconds on `profile` (copies)."""
+def price(
+    candidates: list[Candidate], profile: HardwareProfile, num_devices: int, dtype: str, hosts: int = 1
+) -> list[Candidate]:
+    """The candidates with modelled compute and communication seconds on `profile` (copies),
+    the `num_devices` spread over `hosts` hosts."""
     priced = []
     for candidate in candidates:
         candidate = replace(candidate)
@@ -192,7 +215,13 @@ def price(candidates: list[Candidate], profile: HardwareProfile, num_devices: in
             candidate.compute_seconds = (
                 candidate.flops / (profile.flops(dtype) / share) + candidate.num_kernels * profile.kernel_seconds
             ) * stretch
-            candidate.comm_seconds = comm_seconds(candidate.cost, profile, candidate.devices)
+            try:
+                across = across_hosts_of(candidate.mesh_shape, num_devices, hosts)
+            except UserError as err:  # its axes cannot spread evenly over the hosts
+                candidate.error = str(err)
+                priced.append(candidate)
+                continue
+            candidate.comm_seconds = comm_seconds(candidate.cost, profile, candidate.mesh_shape, across)
         priced.append(candidate)
     return priced
 

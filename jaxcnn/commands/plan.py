@@ -27,6 +27,11 @@ def parse_flags(argv=None):
     run_flags.add_data_flags(parser)
     g = parser.add_argument_group("plan")
     cli.add_devices_flag(g)
+    g.add_argument(
+        "--hosts", type=int, default=1,
+        help="the devices spread over this many hosts: collectives across them priced at the network's "
+        "bandwidth and latency (default %(default)s)",
+    )  # fmt: skip
     g.add_argument("--budget", default="16GiB", help="memory per device, e.g. 16GiB, 80GB, 512MiB")
     g.add_argument(
         "--hardware",
@@ -48,6 +53,8 @@ def main(argv=None):
 
     if args.devices < 1:
         raise UserError(f"--devices must be at least 1, got {args.devices}")
+    if args.hosts < 1 or args.devices % args.hosts:
+        raise UserError(f"--hosts {args.hosts} must divide --devices {args.devices} (the same devices on each host)")
     budget = parse_bytes(args.budget)
     profiles = [get_profile(name) for name in dict.fromkeys(cli.name_list(args.hardware))]
     if not profiles:
@@ -70,11 +77,11 @@ def main(argv=None):
     )
     rows, plans = [], {}
     for profile in profiles:
-        candidates = rank(price(compiled, profile, args.devices, args.dtype), budget)
+        candidates = rank(price(compiled, profile, args.devices, args.dtype, args.hosts), budget)
         plans[profile.name] = candidates
         print(
             f"\n{model_config.name}, batch {args.batch_size}, {'x'.join(map(str, image_shape))} images, "
-            f"{args.devices} x {profile.name}, {args.dtype}:"
+            f"{args.devices} x {profile.name}{f' on {args.hosts} hosts' if args.hosts > 1 else ''}, {args.dtype}:"
         )
         print(explain(candidates, budget, args.top))
         rows += [

@@ -94,7 +94,7 @@ def main(argv=None) -> list[dict]:
             )
         outcome = fit(program, program.init(), data, None, config, progress=False)
         cost = program_cost(program)
-        comm = comm_seconds(cost, profile, mesh.size)
+        comm = comm_seconds(cost, profile, dict(mesh.shape))
         step_seconds = batch / outcome.images_per_second
         return {
             "layout": run_layout.name,
