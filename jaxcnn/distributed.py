@@ -80,8 +80,10 @@ def cluster_from(config: ClusterConfig) -> Cluster:
 
 
 def initialize(cluster: Cluster) -> None:
-    """Join the cluster (no-op for one process). Call before any JAX computation."""
+    """Join the cluster (one process: only `--local-devices`). Call before any JAX computation."""
     if not cluster.multi_process:
+        if cluster.local_devices and not computes_on_cpu():  # one process on some of the host's GPUs
+            jax.config.update("jax_cuda_visible_devices", ",".join(map(str, cluster.local_devices)))
         return
     try:
         jax.distributed.initialize(

@@ -45,13 +45,19 @@ class Evaluation:
     predictions: np.ndarray
 
 
+EVAL_IN_FLIGHT = 4  # evaluation batches dispatched ahead of the first one not yet finished
+
+
 def evaluate(program: Program, state, dataset: Dataset) -> Evaluation:
-    """Every batch dispatched before any result is read: the devices never wait on the host
-    between evaluation batches (one transfer of the sums and predictions at the end)."""
+    """Batches dispatched ahead of their results (at most EVAL_IN_FLIGHT unfinished, so the
+    placed inputs stay few): the devices do not wait on the host between evaluation
+    batches; the sums and predictions come back in one transfer at the end."""
     outputs, masks = [], []
     for images, labels, mask in eval_batches(dataset, program.eval_input.batch_size):
         outputs.append(program.eval_step(state, *program.eval_input.place(images, labels, mask)))
         masks.append(mask)
+        if len(outputs) > EVAL_IN_FLIGHT:
+            jax.block_until_ready(outputs[-EVAL_IN_FLIGHT - 1])
     outputs = jax.device_get(outputs)
     loss_sum = sum(float(loss) for loss, _, _ in outputs)
     correct_sum = sum(float(correct) for _, correct, _ in outputs)

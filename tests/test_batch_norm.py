@@ -166,3 +166,25 @@ def test_per_device_statistics_gather_nothing():
     assert not [c for c in found if c.kind == "all-gather"]
     # forward: the running averages; backward: scale's and bias's gradients (with the others)
     assert Counter(c.kind for c in found)["all-reduce"] <= 2 + 3
+
+
+def test_evaluation_mode_set_on_the_module_normalises_by_the_running_statistics():
+    ours, flax = _pair()
+    x, _ = _batch()
+    for bn in (ours, flax):
+        bn.mean[...], bn.var[...] = jnp.full(6, 2.5), jnp.full(6, 0.3)
+        bn.use_running_average = True  # as model.eval() sets it: calls without the argument evaluate
+    np.testing.assert_allclose(ours(x), flax(x), rtol=1e-6)
+    assert float(ours.mean[...][0]) == 2.5  # the running statistics untouched
+
+
+def test_bfloat16_compute_matches_flax():
+    kwargs = {"momentum": 0.9, "use_fast_variance": False, "dtype": jnp.bfloat16}
+    ours, flax = BatchNorm(6, rngs=nnx.Rngs(0), **kwargs), nnx.BatchNorm(6, rngs=nnx.Rngs(0), **kwargs)
+    scale = jnp.asarray(np.random.default_rng(2).normal(1, 0.2, 6), jnp.float32)
+    ours.scale[...], flax.scale[...] = scale, scale
+    x = jnp.asarray(np.random.default_rng(3).normal(3.0, 0.5, SHAPE), jnp.float32)
+    y_ours, y_flax = ours(x, use_running_average=False), flax(x, use_running_average=False)
+    assert y_ours.dtype == y_flax.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y_ours, np.float32), np.asarray(y_flax, np.float32), atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(ours.var[...], flax.var[...], rtol=1e-5)

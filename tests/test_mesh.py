@@ -167,7 +167,7 @@ def test_dcn_mesh_says_which_axis_crosses_hosts():
     assert hosts_of_grid(grid) == [[0, 0, 1, 1]] * 4  # fsdp's halves on different hosts, data inside each
     with pytest.raises(UserError, match="does not divide"):
         across_hosts({"data": 2, "model": 8}, 2, {"model": 3})
-    with pytest.raises(UserError, match="spans 4 hosts but the run has 2"):
+    with pytest.raises(UserError, match="spans 4 processes but the run has 2"):
         across_hosts({"data": 4, "model": 4}, 2, {"data": 4})
     with pytest.raises(UserError, match="cannot be spread over 3 hosts"):
         across_hosts({"data": 2, "model": 8}, 3)
@@ -177,3 +177,8 @@ def test_one_host_lays_devices_out_slowest_axis_first():
     devices = jax.devices()[:8]
     grid = build_mesh({"model": 2, "data": 4}, devices).devices
     assert [d.id for d in grid[:, 0]] == [devices[i].id for i in (0, 1)] and grid[0, 1] == devices[2]
+
+
+def test_dcn_mesh_on_one_process_is_refused():
+    with pytest.raises(UserError, match="is for a run of several processes"):
+        device_grid({"data": 8}, jax.devices()[:8], dcn_mesh={"data": 2})

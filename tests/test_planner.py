@@ -4,7 +4,7 @@ import pytest
 from conftest import TINY_PLAIN
 
 from jaxcnn.analysis.hardware import get_profile
-from jaxcnn.analysis.hlo import spanned_axes
+from jaxcnn.analysis.hlo import kernel_count, spanned_axes
 from jaxcnn.analysis.planner import across_hosts_of, candidates_for, comm_seconds, explain, plan, rank
 from jaxcnn.analysis.verdicts import step_verdicts, verdict
 from jaxcnn.config import ModelConfig, parse_bytes
@@ -150,3 +150,32 @@ def test_collectives_across_hosts_are_priced_at_the_network_inside_at_the_link()
     )  # fmt: skip
     assert two - one == pytest.approx(extra) and extra > 0
     assert across_hosts_of(mesh, 8, 2) == {"data": 2, "model": 1} and across_hosts_of({"data": 4}, 8, 2) is None
+
+
+KERNELS_HLO = """HloModule m
+
+%fused_computation (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %n = f32[2]{0} negate(%p)
+}
+
+%body (a: (f32[2], s32[])) -> (f32[2], s32[]) {
+  %a = (f32[2]{0}, s32[]) parameter(0)
+  %g = f32[2]{0} get-tuple-element(%a), index=0
+  %f = f32[2]{0} fusion(%g), kind=kLoop, calls=%fused_computation
+  ROOT %t = (f32[2]{0}, s32[]) tuple(%f, %g)
+}
+
+ENTRY %main (x: f32[2]) -> f32[2] {
+  %x = f32[2]{0} parameter(0)
+  %m = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[2]{0}) fusion(%x), kind=kLoop, calls=%fused_computation
+  %w = (f32[2]{0}, s32[]) while(%i), condition=%c, body=%body
+  ROOT %r = f32[2]{0} negate(%x)
+}
+"""
+
+
+def test_kernel_count_reads_the_entry_and_loop_bodies_not_fused_computations():
+    # the entry's 6-output fusion and negate, the loop body's fusion; never a fusion's insides,
+    # parameters, tuples or the while itself
+    assert kernel_count(KERNELS_HLO) == 3

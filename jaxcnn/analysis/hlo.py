@@ -222,11 +222,16 @@ _OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\([^=]*?\)|\S+)\s+([a
 
 def kernel_count(hlo_text: str) -> int:
     """Kernels one call of a compiled program launches: the instructions of its entry
-    computation and of its loops' bodies (each counted once, as collectives are), fusions
-    as one -- the fixed per-kernel cost a step pays however little each kernel computes."""
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+    computation and of the computations it calls, loops' bodies and conditionals' branches
+    (each counted once, as collectives are), fusions as one -- the fixed per-kernel cost a
+    step pays however little each kernel computes."""
+    text = re.sub(r"/\*.*?\*/", "", hlo_text)  # XLA's /*index=5*/ markers in long tuples
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))  # loops; calls and branches below
+    bodies |= set(re.findall(r"\bcall\(.*?to_apply=%?([\w.\-]+)", text))
+    for branches in re.findall(r"branch_computations=\{([^}]*)\}", text):
+        bodies |= set(re.findall(r"%?([\w.\-]+)", branches))
     count, counting = 0, False
-    for line in hlo_text.splitlines():
+    for line in text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
             name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
             counting = line.startswith("ENTRY") or name.lstrip("%") in bodies

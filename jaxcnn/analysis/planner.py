@@ -97,9 +97,12 @@ def comm_seconds(
     busiest = max(cost.stage_collectives, key=lambda stage: sum(c.step_wire_bytes for c in stage))
     share = math.prod(mesh_shape.values()) if profile.shared_host else 1
     inside, between = profile.link_bytes_per_second / share, profile.network_bytes_per_second / share
-    seconds = (cost.wire_bytes - sum(c.step_wire_bytes for c in busiest)) / inside  # a pipeline's sends
+    across = across or {}
+    sends = cost.wire_bytes - sum(c.step_wire_bytes for c in busiest)  # a pipeline's, between its stages
+    seconds = sends / (between if across.get(ax.STAGE, 1) > 1 else inside)
+    stage_mesh = {a: n for a, n in mesh_shape.items() if a != ax.STAGE}  # a stage's programs: its own sub-mesh
     for c in busiest:
-        crosses = across is not None and any(across.get(a, 1) > 1 for a in spanned_axes(c, mesh_shape))
+        crosses = any(across.get(a, 1) > 1 for a in spanned_axes(c, stage_mesh))
         hop, bandwidth = (profile.network_hop_seconds, between) if crosses else (profile.hop_seconds, inside)
         seconds += c.repeats * (c.hops * hop + c.wire_bytes / bandwidth)
     return seconds
@@ -111,6 +114,8 @@ def across_hosts_of(mesh_shape: dict[str, int], num_devices: int, hosts: int) ->
     devices, per_host = math.prod(mesh_shape.values()), num_devices // hosts
     if hosts == 1 or devices <= per_host:
         return None
+    if devices % per_host:
+        raise UserError(f"{devices} devices do not fill whole hosts of {per_host}")
     return across_hosts(mesh_shape, devices // per_host)
 
 

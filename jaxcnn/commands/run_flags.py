@@ -128,8 +128,8 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mesh", help="mesh shape, e.g. data=4,model=2 (-1 fills the rest); default: the layout's")
     g.add_argument(
         "--dcn-mesh",
-        help="several hosts: how many ways each mesh axis runs across hosts, e.g. data=2 (the rest of each axis "
-        "stays inside a host); default: the hosts split data first",
+        help="several processes: how many ways each mesh axis runs across them (hosts; with one process per GPU, "
+        "GPUs), e.g. data=2, the rest of each axis inside one; default: the processes split data first",
     )
     g.add_argument(
         "--host-devices",

@@ -162,6 +162,7 @@ class BuildBatch(grain.transforms.Map):
 
 
 DEVICE_PREFETCH = 2  # batches placed on the devices ahead of the loop (flax's prefetch_to_device size)
+READER_JOIN_S = 30  # on close, how long to let the reader finish the batch it is reading (a hung worker: no longer)
 
 
 class Batches:
@@ -268,8 +269,12 @@ class Batches:
         return {"next_step": self._next_step}
 
     def close(self) -> None:
+        if self._closing.is_set():
+            return
         self._closing.set()
-        self._reader.join()  # after the batch it may be reading
+        self._reader.join(timeout=READER_JOIN_S)  # after the batch it may be reading
+        while not self._placed.empty():  # release the batches placed ahead
+            self._placed.get_nowait()
         self._watch.put(None)
         self._watcher.join()
         self._iterator.close()

@@ -44,14 +44,16 @@ class BatchNorm(nnx.BatchNorm):
         self.local = local
 
     def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
-        if use_running_average or x.ndim != 4 or mask is not None or self.axis != -1:
+        evaluating = self.use_running_average if use_running_average is None else use_running_average
+        unusual = self.scale is None or self.bias is None or self.axis_index_groups is not None or self.axis != -1
+        if evaluating or x.ndim != 4 or mask is not None or unusual:  # flax's own path
             return super().__call__(x, use_running_average=use_running_average, mask=mask)
-        x = x if self.dtype is None else x.astype(self.dtype)
-        out_dtype = self.dtype or jnp.result_type(x, self.scale[...], self.bias[...])
+        scale, bias = self.scale[...], self.bias[...]
+        if self.dtype is not None:  # as flax: input, scale and bias in the compute dtype
+            x, scale, bias = x.astype(self.dtype), scale.astype(self.dtype), bias.astype(self.dtype)
+        out_dtype = self.dtype or jnp.result_type(x, scale, bias)
         pieces = image_pieces(x.shape)
-        y, mean, var = batch_norm_train(
-            x, self.scale[...], self.bias[...], pieces, self.axis_name, self.epsilon, self.local
-        )
+        y, mean, var = batch_norm_train(x, scale, bias, pieces, self.axis_name, self.epsilon, self.local)
         self.mean[...] = jax.lax.stop_gradient(self.momentum * self.mean[...] + (1 - self.momentum) * mean)
         self.var[...] = jax.lax.stop_gradient(self.momentum * self.var[...] + (1 - self.momentum) * var)
         return y.astype(out_dtype)

@@ -175,15 +175,15 @@ def across_hosts(shape: MeshShape, hosts: int, dcn_mesh: MeshShape | None = None
     host), else the hosts spread over the slowest axes first (`data`, ...)."""
     if dcn_mesh is not None:
         for name, ways in dcn_mesh.items():
-            if name not in shape or shape[name] % ways:
+            if name not in shape or ways < 1 or shape[name] % ways:
                 raise UserError(
                     f"--dcn-mesh {format_mesh(dcn_mesh)}: {name}={ways} does not divide mesh {format_mesh(shape)}; "
                     "give each axis's across-host part, a divisor of its size"
                 )
         if math.prod(dcn_mesh.values()) != hosts:
             raise UserError(
-                f"--dcn-mesh {format_mesh(dcn_mesh)} spans {math.prod(dcn_mesh.values())} hosts but the run has "
-                f"{hosts} processes; make its sizes multiply to {hosts}"
+                f"--dcn-mesh {format_mesh(dcn_mesh)} spans {math.prod(dcn_mesh.values())} processes but the run has "
+                f"{hosts}; make its sizes multiply to {hosts} (with one process per GPU, count GPUs)"
             )
         return {name: dcn_mesh.get(name, 1) for name in shape}
     left, split = hosts, {}
@@ -205,6 +205,8 @@ def device_grid(shape: MeshShape, devices: Sequence, dcn_mesh: MeshShape | None 
     axes stay inside a host whatever order `--mesh` names them in."""
     order = sorted(shape, key=SLOW_TO_FAST.index)
     hosts = hosts_of(devices)
+    if hosts == 1 and dcn_mesh and math.prod(dcn_mesh.values()) > 1:
+        raise UserError(f"--dcn-mesh {format_mesh(dcn_mesh)} is for a run of several processes; this is one")
     if hosts == 1:
         grid = mesh_utils.create_device_mesh([shape[a] for a in order], devices, allow_split_physical_axes=True)
     else:
