@@ -20,8 +20,8 @@ degree (`height`), G = D x S the devices holding different data for one paramete
   `spatial` and then over `data` (two all-reduces); the dense head, fed the gathered
   activation, only over `data`.
 - FSDP: one all-gather of each split parameter per step (gathered once, kept for backward).
-- batch norm over P > 1 pieces of the batch (P = D, or D x S where S divides the layer's
-  output height; jaxcnn.models.batch_norm), per layer: forward one all-gather of every piece's mean
+- batch norm over P > 1 pieces of the batch (P = D, or D x S where the layer's input is
+  split by height and S divides its output height; jaxcnn.models.batch_norm), per layer: forward one all-gather of every piece's mean
   and squared deviations (P x 2 x C_local x 4 bytes: float32 statistics); backward one
   all-reduce of the sums of dy and dy x x_hat (2 x C_local x 4), which are also scale's
   and bias's gradients -- so those leave the gradients' all-reduce. C_local = C / M when
@@ -128,8 +128,10 @@ def comm_terms(
 
     convs = [(layer, split) for layer, split in zip(layers, split_input, strict=True) if layer.kind == "conv"]
     if config.norm == "batch":
-        for layer, _ in convs:
-            pieces = d * (s if layer.out_height % s == 0 else 1)  # partition.image_pieces
+        for layer, on_split in convs:
+            # the pieces a device holds (partition.image_pieces); where the layer's input is
+            # whole along `spatial`, every device has every row piece and gathers over data only
+            pieces = d * (s if on_split and layer.out_height % s == 0 else 1)
             if pieces == 1:
                 continue
             stats = 2 * layer.features / layout.degree(layer.space_out, mesh_shape) * 4

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxcnn.sharding.partition import constrain_pieces, image_pieces
+from jaxcnn.sharding.partition import gather_pieces, image_pieces
 
 WITHIN_PIECE = (1, 3, 5)  # of the activation split into pieces: (pb, b, ph, h, pw, w, C)
 STATISTICS_SCOPE = "batch_norm_statistics"  # names the collectives in the compiled program (analysis.lint)
@@ -124,14 +124,14 @@ def _statistics(x, pieces, axis_name, epsilon, local):
     """The batch's mean and variance (for the running averages), and the mean and inverse
     deviation x is normalised by: the batch's, or (local) each piece's."""
     count = _per_piece(x, pieces)
-    moments = constrain_pieces(_piece_moments(x, pieces), 0, pieces, split=True)  # each piece's on its device
+    moments = _piece_moments(x, pieces)
     if local:
         means, variances = moments[:, 0], moments[:, 1] / count
         mean, var = means.mean(0), variances.mean(0)  # for the running averages only
         if axis_name:
             mean, var = jax.lax.pmean((mean, var), axis_name)
         return mean, var, _by_piece(means, pieces), _by_piece(jax.lax.rsqrt(variances + epsilon), pieces)
-    moments = constrain_pieces(moments, 0, pieces, split=False)  # the forward's one collective
+    moments = gather_pieces(moments)  # the forward's one collective
     if axis_name:
         moments = jax.lax.all_gather(moments, axis_name, axis=0, tiled=True)
     mean, var = _combine(moments, count)
@@ -143,7 +143,7 @@ def _backward(pieces, axis_name, epsilon, local, residuals, cotangents):
     dy = _split(cotangents[0].astype(mean_x.dtype), pieces)
     x_hat = (_split(x.astype(mean_x.dtype), pieces) - mean_x) * inv_x
     with jax.named_scope(STATISTICS_SCOPE):
-        per_piece = constrain_pieces(_per_piece_sums(dy, x_hat), 1, pieces, split=True)
+        per_piece = _per_piece_sums(dy, x_hat)
         own = per_piece.sum(1)  # the batch's, where the layout splits it: the backward's one all-reduce
         n = _per_piece(x, pieces)
         if local:
