@@ -106,12 +106,7 @@ def _group_size(attrs: str, num_devices: int) -> int:
         return size
     if match := _GROUPS_IOTA.search(attrs):
         return int(match.group(2))
-    if match := _GROUPS_LIST.search(attrs):
-        first = match.group(1).split("}")[0].strip("{")
-        return len([d for d in first.split(",") if d]) or num_devices
-    if _PAIRS.search(attrs):
-        return 2
-    return num_devices  # replica_groups={} means every device
+    return len(_first_group(attrs, num_devices)) or num_devices  # lists, permutes' pairs, {} (every device)
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")

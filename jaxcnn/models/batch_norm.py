@@ -12,7 +12,7 @@ Here instead:
   `dy * x_hat` over the batch: one stacked sum, so one all-reduce, which also gives
   `scale`'s and `bias`'s gradients.
 
-The pieces are those the active layout cuts the activation into (`activation_shards`), so
+The pieces are those the active layout cuts the activation into (`image_pieces`), so
 one device has one piece and the numbers equal one device's two-pass statistics to
 float32 rounding. Inside a `shard_map` over the batch's axes (gradient accumulation), the
 gather and the sum run over `axis_name` instead.
@@ -149,7 +149,7 @@ def _backward(pieces, axis_name, epsilon, local, residuals, cotangents):
         if local:
             sums = _by_piece(per_piece, pieces)
         else:
-            sums, n = own, n * len(per_piece[0])
+            sums, n = own, n * per_piece.shape[1]
             if axis_name:  # inside a shard_map: the other devices' sums too
                 sums, n = jax.lax.psum(own, axis_name), n * jax.lax.psum(1, axis_name)
     dx = (inv_x * scale) * (dy - (sums[0] + x_hat * sums[1]) / n)

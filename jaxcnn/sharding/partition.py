@@ -263,7 +263,7 @@ def gather_pieces(x: jax.Array) -> jax.Array:
     """Per-piece values (`image_pieces`; the first dimension runs over the pieces, the last is
     channels) whole on every device: one all-gather. Where the pieces live before is left
     to XLA -- pinning them to their owners as well made XLA:CPU's partitioner compute some
-    gradients of the layers upstream 4x too large (a ResNet-free 3-block CNN under spatial
+    gradients of the layers upstream 4x too large (the default 3-block CNN under spatial
     data=4,spatial=2). A no-op outside `activation_layout`."""
     found = _image_split()
     if found is None:
