@@ -4,8 +4,9 @@ numbers as on one device."""
 
 import numpy as np
 import pytest
-from conftest import train_losses
+from conftest import bundled_digits, train_losses
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxcnn.errors import UserError
 from jaxcnn.models import CustomModel
@@ -51,6 +52,14 @@ def test_your_model_trains_under_a_layout_as_on_one_device(layout, mesh):
     split = {p.path: p.spec for p in program.anatomy.placements if any(p.spec)}
     if layout == "dp":
         assert not split  # replicated parameters
+        # and a split batch: the compiled step takes it split over data, each device a quarter of the rows
+        taken = program.train_step.input_shardings[0][1:]  # (state, images, labels)
+        for given, compiled in zip(program.train_input.arrays, taken, strict=True):
+            assert given.sharding.spec == compiled.spec == P("data", *[None] * (given.ndim - 1)), compiled
+        data, quarter = bundled_digits(), program.batch_size // 4
+        images, _ = program.train_input.place(data.images[: program.batch_size], data.labels[: program.batch_size])
+        rows = {(s.index[0].start, s.index[0].stop) for s in images.addressable_shards}
+        assert rows == {(i * quarter, (i + 1) * quarter) for i in range(4)}, rows
     else:  # the kernels' logical names reached the mesh
         axis = "data" if layout == "fsdp" else "model"
         assert any(axis in str(spec) for path, spec in split.items() if "kernel" in path), split

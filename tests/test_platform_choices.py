@@ -65,20 +65,33 @@ def test_a_platform_without_measurements_keeps_xlas_way():
 @pytest.mark.parametrize(("model", "field"), [("resnet_tiny_bottleneck", "conv1x1"), (ModelConfig().name, "max_pool")])
 def test_both_variants_of_a_kernel_choice_give_the_same_values_and_gradients(model, field):
     """Same weights, same batch, float64: the two kernels agree to rounding (each kernel's
-    own float64 checks against lax's: tests/test_gradients.py)."""
+    own float64 checks against lax's: tests/test_gradients.py), and each program computes
+    with its own kernel (else they would agree trivially)."""
     config = ModelConfig(name=model, conv_features=(8, 16) if "resnet" in model else ())
     images = np.random.default_rng(0).random((4, 32, 32, 3))
 
     def loss(module, x):
         return (module(x, train=True) ** 2).sum()
 
-    found = []
+    found, programs = [], {}
     for variant in platform_choices.CHOICES[field].variants:
         weights = initialised(dataclasses.replace(config, **{field: variant}), (32, 32, 3))
         with jax.enable_x64(True):
             graphdef, params, rest = nnx.split(float64_twin(weights), nnx.Param, ...)
             pure = lambda params, x: loss(nnx.merge(graphdef, params, rest, copy=True), x)  # noqa: B023, E731
-            found.append(jax.jit(jax.value_and_grad(pure, argnums=(0, 1)))(params, images))
+            lowered = jax.jit(jax.value_and_grad(pure, argnums=(0, 1))).lower(params, images)
+            found.append(lowered.compile()(params, images))
+        programs[variant] = lowered.as_text()
+    if field == "max_pool":  # select: max_pool_2x2, keeping each window's winner as an int8; window: a
+        # reduce_window, its gradient a select_and_scatter; one pool per conv block
+        ops = ("stablehlo.reduce_window", "stablehlo.select_and_scatter", "xi8>")
+        ran = {variant: tuple(text.count(op) > 0 for op in ops) for variant, text in programs.items()}
+        assert ran == {"select": (False, False, True), "window": (True, True, False)}, (ops, ran)
+        pools = len(config.conv_features)
+        assert programs["window"].count(ops[0]) == programs["window"].count(ops[1]) == pools
+    else:  # a 1x1 conv done as a dot is a convolution less, forward and backward
+        convolutions = {variant: text.count("stablehlo.convolution") for variant, text in programs.items()}
+        assert convolutions["dot"] < convolutions["conv"], convolutions
     (value_a, grads_a), (value_b, grads_b) = found
     np.testing.assert_allclose(value_a, value_b, rtol=1e-10)
     for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):

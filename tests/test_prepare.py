@@ -13,17 +13,23 @@ from jaxcnn.commands import main as jaxcnn_main
 from jaxcnn.data import Dataset, Loader, load_image_folder, load_source, shard_writer
 from jaxcnn.errors import UserError
 
+SWATCH = (200, 40, 120)  # RGB: owl/0.jpg and cat/0.jpg are all this one colour
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """12 smooth 30x40 (HxW) JPEGs, 2 classes; each class a brightness band."""
+    """12 30x40 (HxW) JPEGs, 2 classes; each class a brightness band. The first of each
+    class is all SWATCH; the others are smooth, their channels differing (red rises across,
+    green down, blue falls across)."""
     root = tmp_path_factory.mktemp("photos") / "train"
     rng = np.random.default_rng(0)
-    ramp = np.linspace(0, 60, 40)[None, :, None] + np.linspace(0, 40, 30)[:, None, None]
+    across, down = np.linspace(0, 1, 40)[None, :], np.linspace(0, 1, 30)[:, None]
+    ramps_RGB = np.stack(np.broadcast_arrays(90 * across, 60 * down, 60 * (1 - across)), axis=-1)
     for c, name in enumerate(("owl", "cat")):
         (root / name).mkdir(parents=True)
         for i in range(6):
-            pixels = 60 + 100 * c + ramp + rng.normal(0, 3, (30, 40, 3))
+            pixels = 40 + 80 * c + ramps_RGB + rng.normal(0, 3, (30, 40, 3))
+            pixels = pixels if i else np.broadcast_to(SWATCH, pixels.shape)
             Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(root / name / f"{i}.jpg", quality=95)
     return root
 
@@ -65,8 +71,12 @@ def test_jpeg_shards_are_small_resized_and_within_jpeg_tolerance(folder, tmp_pat
         data.images.shape == (12, 15, 20, 3)
         and json.loads((tmp_path / "jpeg" / "manifest.json").read_text())["short_side"] == 15
     )
-    error = np.abs(data.images[:].astype(int) - original.images[:])
-    assert error.mean() < 3 and error.max() < 40, (error.mean(), error.max())
+    stored, source = data.images[:].astype(int), original.images[:].astype(int)
+    for channel, name in enumerate("RGB"):  # each channel against its own: channels swapped would be far off
+        error = np.abs(stored[..., channel] - source[..., channel])
+        assert error.mean() < 2 and error.max() < 12, (name, error.mean(), error.max())
+    swatches = np.all(np.abs(source - SWATCH) <= 1, axis=(1, 2, 3))  # the known colour, as decoded from the file
+    assert swatches.sum() == 2 and np.abs(stored[swatches] - SWATCH).max() <= 3, stored[swatches, 0, 0]
     assert list(data.labels) == list(original.labels)
 
 
