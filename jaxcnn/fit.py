@@ -8,22 +8,18 @@ record what happened.
 Batches come from the data package's `Loader` (a grain pipeline over the whole run: order,
 read, augment, prefetch), told once how each epoch's program takes its batch and handing
 each over placed on the devices; the loop steps, collects metrics and keeps the training log.
-Progress is a bar on a terminal and one line per epoch in a log. Under `interrupt_requests`,
-a Ctrl-C stops the run after the step in flight: the state is saved (`Interrupted`) and the
-run can continue from it exactly; a second Ctrl-C exits at once.
+Progress is a bar on a terminal and one line per epoch in a log. Under
+`jaxcnn.stopping.stop_requests`, a Ctrl-C or SIGTERM stops the run at a step every process
+agrees on: the state is saved (`Interrupted`) and the run can continue from it exactly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import signal
 import sys
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -32,10 +28,11 @@ from tqdm.auto import tqdm
 
 from jaxcnn.checkpoint import state_fingerprint
 from jaxcnn.config import DIVERGENCE_FACTOR, TrainConfig, epoch_steps
-from jaxcnn.data import Batches, Dataset, Loader, eval_batches
+from jaxcnn.data import Batches, Dataset, EvalShare, Loader
 from jaxcnn.errors import UserError
 from jaxcnn.program import Program
 from jaxcnn.resume import Resume, epoch_sizes
+from jaxcnn.stopping import StopRequests
 
 
 @dataclass
@@ -48,23 +45,31 @@ class Evaluation:
 EVAL_IN_FLIGHT = 4  # evaluation batches dispatched ahead of the first one not yet finished
 
 
-def evaluate(program: Program, state, dataset: Dataset) -> Evaluation:
-    """Batches dispatched ahead of their results (at most EVAL_IN_FLIGHT unfinished, so the
-    placed inputs stay few): the devices do not wait on the host between evaluation
-    batches; the sums and predictions come back in one transfer at the end."""
-    outputs, masks = [], []
-    for images, labels, mask in eval_batches(dataset, program.eval_input.batch_size):
-        outputs.append(program.eval_step(state, *program.eval_input.place(images, labels, mask)))
-        masks.append(mask)
+def eval_share(program: Program, dataset: Dataset | EvalShare) -> EvalShare:
+    """The part of `dataset` this process evaluates with `program` (read and decoded now)."""
+    if isinstance(dataset, EvalShare):
+        return dataset
+    return EvalShare(dataset, program.eval_input.batch_size, program.eval_input.share.rows)
+
+
+def evaluate(program: Program, state, dataset: Dataset | EvalShare) -> Evaluation:
+    """Every process evaluates its own rows of each batch (`EvalShare`). Batches dispatched
+    ahead of their results (at most EVAL_IN_FLIGHT unfinished, so the placed inputs stay
+    few): the devices do not wait on the host between evaluation batches; the sums and
+    predictions come back in one transfer at the end."""
+    share = eval_share(program, dataset)
+    outputs = []
+    for images, labels, mask in share.batches():
+        outputs.append(program.eval_step(state, *program.eval_input.place_rows(images, labels, mask)))
         if len(outputs) > EVAL_IN_FLIGHT:
             jax.block_until_ready(outputs[-EVAL_IN_FLIGHT - 1])
     outputs = jax.device_get(outputs)
     loss_sum = sum(float(loss) for loss, _, _ in outputs)
     correct_sum = sum(float(correct) for _, correct, _ in outputs)
-    predictions = np.concatenate([np.asarray(p)[m > 0] for (_, _, p), m in zip(outputs, masks, strict=True)])
-    if dataset.labels is None:
+    predictions = share.predictions([np.asarray(p) for _, _, p in outputs])
+    if not share.labelled:
         return Evaluation(None, None, predictions)
-    return Evaluation(loss_sum / len(dataset), correct_sum / len(dataset), predictions)
+    return Evaluation(loss_sum / len(share), correct_sum / len(share), predictions)
 
 
 @dataclass
@@ -93,36 +98,12 @@ class NonFiniteLoss(UserError):
 
 
 class Interrupted(Exception):
-    """Ctrl-C: the run stopped between two steps. `result` is what it had done (no final
-    evaluation); `saved_to` the checkpoint directories its state was saved in."""
+    """A stop (Ctrl-C, SIGTERM): the run stopped between two steps. `result` is what it had
+    done (no final evaluation); `saved_to` the checkpoint directories its state was saved in."""
 
     def __init__(self, result: FitResult, saved_to: list):
         super().__init__(f"interrupted at step {result.steps}")
         self.result, self.saved_to = result, saved_to
-
-
-@contextlib.contextmanager
-def interrupt_requests(enabled: bool) -> Iterator[Callable[[], bool]]:
-    """While open, the first SIGINT only raises a flag (read by calling the yielded function),
-    so the loop can stop at a step boundary and save; the second exits the process at once."""
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-    requested = []
-
-    def handler(signum, frame):
-        if requested:
-            print("interrupted again: exiting now, without saving", file=sys.stderr, flush=True)
-            os._exit(130)
-        requested.append(signum)
-        print("\ninterrupted: stopping at the next step boundary to save (Ctrl-C again to exit at once)",
-              file=sys.stderr, flush=True)  # fmt: skip
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield lambda: bool(requested)
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def fit(
@@ -137,7 +118,7 @@ def fit(
     resume: Resume | None = None,
     skip_nonfinite: bool = False,
     on_epoch: Callable[[dict, list[float]], None] | None = None,
-    stop_requested: Callable[[], bool] = lambda: False,
+    stop: StopRequests | None = None,
     interrupt_saves: Sequence = (),
 ) -> FitResult:
     """Train for the run's steps, evaluating on `test_set` after every epoch.
@@ -149,10 +130,13 @@ def fit(
     its step, on the same data position. A non-finite loss stops the run (NonFiniteLoss,
     naming the step) before anything non-finite is saved -- unless `skip_nonfinite`,
     where the compiled step has already skipped it. `on_epoch(row, losses)` is called after
-    each epoch's evaluation with its row and its steps' losses. Once `stop_requested()`
-    (`interrupt_requests`: a Ctrl-C), the loop stops at the next step boundary, saves the
-    state in `checkpointer` and `interrupt_saves`, and raises `Interrupted`.
+    each epoch's evaluation with its row and its steps' losses. Once `stop.check()` agrees
+    (jaxcnn.stopping: a Ctrl-C or SIGTERM, in any process), the loop stops at that step
+    boundary, saves the state in `checkpointer` and `interrupt_saves`, and raises
+    `Interrupted`. `stop.check()` is asked once per step: after each step but an epoch's
+    last, and after the epoch's evaluation.
     """
+    stop = stop or StopRequests(multi_process=False)
     if not isinstance(programs, dict):
         programs = {programs.batch_size: programs}
     loader = train if isinstance(train, Loader) else Loader(train)
@@ -162,6 +146,9 @@ def fit(
     on_terminal = progress and sys.stdout.isatty()  # a bar to redraw; in a log, a line per epoch
     bar = tqdm(total=total, initial=training_log.step, unit="step", disable=not on_terminal, mininterval=0.1)
     placements = [programs[config.batch_for_epoch(epoch)].train_input for epoch in range(len(steps_per_epoch))]
+    # each process's rows of the test set, read (decoded) once, before training: one share per evaluation batch
+    tests = {id(p): eval_share(p, test_set) for p in programs.values()} if test_set is not None else {}
+    training_log.eval_examples = max((len(t.own) for t in tests.values()), default=None)
     batches = loader.batches(steps_per_epoch, placements, config.seed, resume.loader_position() if resume else None)
     result = None
     first_in_epoch = 0
@@ -171,11 +158,9 @@ def fit(
             if first_in_epoch + count <= training_log.step:
                 continue  # finished before the checkpoint this run resumed from
             program = programs[config.batch_for_epoch(epoch)]
-            state, row = _train_epoch(
-                program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop_requested
-            )
+            state, row = _train_epoch(program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop)
             if row is not None:  # the epoch ran to its end (a stop mid-epoch leaves no row)
-                row, result = _evaluated(row, program, state, test_set)
+                row, result = _evaluated(row, program, state, tests.get(id(program)))
                 training_log.rows.append(row)
                 if checkpointer is not None and checkpointer.due(training_log.step, last=training_log.step == total):
                     training_log.save(
@@ -187,7 +172,7 @@ def fit(
                     bar.set_postfix(epoch=epoch + 1, loss=f"{row['train_loss']:.4f}", test_acc=row["test_accuracy"])
                 elif progress:
                     print(epoch_line(row, len(steps_per_epoch), total), flush=True)
-            if row is None or (stop_requested() and training_log.step < total):  # asked to stop, in training or eval
+            if row is None or (stop.check() and training_log.step < total):  # asked to stop, in training or eval
                 saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
                 for target in saved:
                     if training_log.step not in target.steps():  # else saved at this very step already
@@ -199,11 +184,12 @@ def fit(
     training_log.input_startup_seconds = batches.startup_seconds
     bar.close()
     if result is None and test_set is not None:  # resumed at the very end: nothing left to train
-        result = evaluate(programs[config.batch_for_epoch(len(steps_per_epoch) - 1)], state, test_set)
+        last = programs[config.batch_for_epoch(len(steps_per_epoch) - 1)]
+        result = evaluate(last, state, tests[id(last)])
     return training_log.result(state, result)
 
 
-def _evaluated(row: dict, program: Program, state, test_set: Dataset | None) -> tuple[dict, Evaluation | None]:
+def _evaluated(row: dict, program: Program, state, test_set: EvalShare | None) -> tuple[dict, Evaluation | None]:
     """The epoch's row with its test loss and accuracy filled in (None without a test set)."""
     result = evaluate(program, state, test_set) if test_set is not None else None
     row["test_loss"], row["test_accuracy"] = (result.loss, result.accuracy) if result else (None, None)
@@ -233,7 +219,7 @@ def _train_epoch(
     first: int,
     count: int,
     bar,
-    stop_requested,
+    stop: StopRequests,
 ):
     """Run epoch `epoch`'s steps from where `training_log` stands; (new state, the epoch's row).
     The row is None when a stop was requested before the epoch's last step."""
@@ -256,7 +242,7 @@ def _train_epoch(
         training_log.images_seen += batch
         done += 1
         bar.update(1)
-        if done < todo and stop_requested():
+        if done < todo and stop.check():
             break
         if (
             training_log.checkpointer is not None
@@ -307,6 +293,7 @@ class _TrainingLog:
         self.train_seconds = self.stall_seconds = self.first_step_seconds = 0.0
         self.first_step_finished = None  # time.perf_counter() when the run's first step had finished
         self.input_startup_seconds = None
+        self.eval_examples = None  # test examples this process reads (its rows of each batch)
         self.fingerprint = None
 
     def collect(self, metrics: list) -> None:
@@ -375,6 +362,7 @@ class _TrainingLog:
                 "resumed_from_step": self.resumed_from or None,
                 "diverged_at_step": diverged,
                 "input_startup_seconds": self.input_startup_seconds,
+                "eval_examples_per_process": self.eval_examples,
                 "first_step_seconds": self.first_step_seconds if self.images_seen else None,
                 "first_step_finished": self.first_step_finished,
             },

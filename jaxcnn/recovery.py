@@ -1,13 +1,15 @@
 """What lets a training run stop and go on: its checkpoints, the state it starts from, the
-fit inside its run directory with a Ctrl-C saving the state there, and the command that
-continues it.
+fit inside its run directory with a stop (SIGTERM, Ctrl-C: jaxcnn.stopping) saving the
+state there, `--resume auto`'s choice, and the command that continues it.
 
+    config = resolve_resume(config, run_dir)                 # --resume auto: resume or start
     checkpointer = open_checkpoints(config.checkpoint, run_dir)
     outcome = fit_in_run_dir(config, programs, train_config, loader, test_set, run_dir, checkpointer, ...)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 import warnings
@@ -22,18 +24,45 @@ from jaxcnn.errors import UserError
 from jaxcnn.fit import FitResult, Interrupted, fit
 from jaxcnn.optim import learning_rates
 from jaxcnn.resume import Resume
-from jaxcnn.run_config import CheckpointConfig, RunConfig
+from jaxcnn.run_config import RESUME_AUTO, CheckpointConfig, RunConfig
+from jaxcnn.stopping import StopRequests
 
 PROG = "jaxcnn train"
 
 
 @dataclass
 class Outcome:
-    """How the fit ended: finished, or stopped by a Ctrl-C with the state saved to `saved_to`."""
+    """How the fit ended: finished, or stopped (Ctrl-C, SIGTERM) with the state saved to `saved_to`."""
 
     result: FitResult
     interrupted: bool = False
     saved_to: list = field(default_factory=list)
+
+
+def saved_steps(directory: Path) -> bool:
+    """Whether an Orbax checkpoint directory holds a finished step (a folder named by its
+    number; one still being written has a temporary name). Read without Orbax or JAX."""
+    return directory.is_dir() and any(p.name.isdigit() and p.is_dir() for p in directory.iterdir())
+
+
+def resolve_resume(config: RunConfig, run_dir: Path) -> RunConfig:
+    """`--resume auto` made a decision, the same in every process (none has written yet):
+    resume when the run directory or --checkpoint-dir holds a saved state; else start --
+    replacing a run directory that saved none (a run that failed early) -- so a requeued
+    job reruns its own command line. A finished run is left alone (`runs.check_run_dir`
+    says so). Any other --resume comes back as it is."""
+    checkpoint = config.checkpoint
+    if checkpoint.resume != RESUME_AUTO:
+        return config
+    sources = [run_dir / runs.CHECKPOINTS, *([Path(checkpoint.checkpoint_dir)] if checkpoint.checkpoint_dir else [])]
+    if any(saved_steps(source) for source in sources) or (run_dir / runs.MODEL).exists():
+        return dataclasses.replace(config, checkpoint=dataclasses.replace(checkpoint, resume=True))
+    overwrite = (run_dir / runs.CONFIG).is_file()  # jaxcnn's own run that saved nothing: start it again
+    return dataclasses.replace(
+        config,
+        checkpoint=dataclasses.replace(checkpoint, resume=False),
+        output=dataclasses.replace(config.output, overwrite=config.output.overwrite or overwrite),
+    )
 
 
 def open_checkpoints(config: CheckpointConfig, run_dir: Path) -> Checkpointer | None:
@@ -76,25 +105,25 @@ def fit_in_run_dir(
     test_set,
     run_dir: Path,
     checkpointer: Checkpointer | None,
-    stop_requested,
+    stop: StopRequests,
     resumable: bool,
 ) -> Outcome:
-    """Restore (--resume), make the run directory, fit with TensorBoard logging and Ctrl-C
-    saves (`resumable`: a pipeline's state lives per stage and is not saved yet)."""
+    """Restore (--resume), make the run directory, fit with TensorBoard logging and saves
+    when stopped (`resumable`: a pipeline's state lives per stage and is not saved yet)."""
     program = programs[train_config.batch_size]
     lead = jax.process_index() == 0
     resume_flag = config.checkpoint.resume
     tensorboard = keep_on_interrupt = None
     try:
-        if resume_flag and (run_dir / runs.CHECKPOINTS).is_dir():  # what an earlier Ctrl-C saved there
+        if resume_flag and (run_dir / runs.CHECKPOINTS).is_dir():  # what an earlier stop saved there
             keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
         # resume from the newest state of the two (a Ctrl-C saves to both; a new --checkpoint-dir has none)
         sources = [c for c in (checkpointer, keep_on_interrupt) if c is not None]
         source = max(sources, key=lambda c: max(c.steps(), default=-1), default=None)
         if resume_flag and source is None:
             raise UserError(
-                f"nothing to resume in {run_dir}: no state was saved there (a Ctrl-C saves one; a run that failed "
-                "saves none); train it again with --overwrite"
+                f"nothing to resume in {run_dir}: no state was saved there (a stop saves one; a run that failed "
+                "saves none); train it again with --overwrite, or pass --resume auto"
             )
         state, resume = start_state(program, source, resume_flag)
         if resume is not None:
@@ -112,7 +141,7 @@ def fit_in_run_dir(
         result = fit(
             programs, state, loader, test_set, train_config, progress=not config.output.quiet and lead,
             checkpointer=checkpointer, resume=resume, skip_nonfinite=config.update.skip_nonfinite,
-            on_epoch=tensorboard.epoch if tensorboard else None, stop_requested=stop_requested,
+            on_epoch=tensorboard.epoch if tensorboard else None, stop=stop,
             interrupt_saves=[keep_on_interrupt] if keep_on_interrupt else [],
         )  # fmt: skip
         return Outcome(result)
@@ -126,15 +155,16 @@ def fit_in_run_dir(
             tensorboard.close()
 
 
-def report_stop(config: RunConfig, run_dir: Path, outcome: Outcome) -> None:
-    """What a Ctrl-C leaves, and the command that continues the run."""
+def report_stop(config: RunConfig, run_dir: Path, outcome: Outcome, stop: StopRequests) -> None:
+    """What a stop leaves, and the command that continues the run."""
     steps = outcome.result.steps
     if not outcome.saved_to:
-        print(f"{PROG}: interrupted at step {steps}: results so far in {run_dir}; a pipeline run's state "
-              "cannot be saved yet, so it cannot be resumed", file=sys.stderr)  # fmt: skip
+        print(f"{PROG}: stopped ({stop.reason}) at step {steps}: results so far in {run_dir}; a pipeline run's "
+              "state cannot be saved yet, so it cannot be resumed", file=sys.stderr)  # fmt: skip
         return
     again = ["jaxcnn", "train", "--resume", "--run-name", run_dir.name, "--results-dir", str(run_dir.parent)]
     if config.checkpoint.checkpoint_dir:
         again += ["--checkpoint-dir", config.checkpoint.checkpoint_dir]
-    print(f"{PROG}: interrupted at step {steps}: state saved in {', '.join(map(str, outcome.saved_to))}; "
-          f"continue with: {shlex.join(again)}", file=sys.stderr)  # fmt: skip
+    print(f"{PROG}: stopped ({stop.reason}) at step {steps}: state saved in {', '.join(map(str, outcome.saved_to))}; "
+          f"continue with: {shlex.join(again)} (or the same command with --resume auto); exit {stop.exit_code}",
+          file=sys.stderr)  # fmt: skip

@@ -26,38 +26,49 @@ from jaxcnn.analysis.lint import format_report, lint_program
 from jaxcnn.build import build_programs
 from jaxcnn.data import Augment, Loader, load_datasets
 from jaxcnn.data.crops import RandomResizedCrop
-from jaxcnn.distributed import cluster_from, initialize
-from jaxcnn.fit import interrupt_requests
-from jaxcnn.recovery import PROG, fit_in_run_dir, open_checkpoints, report_stop
-from jaxcnn.run_config import RunConfig
+from jaxcnn.distributed import initialize, launch_from
+from jaxcnn.recovery import PROG, fit_in_run_dir, open_checkpoints, report_stop, resolve_resume
+from jaxcnn.run_config import RESUME_AUTO, RunConfig
 from jaxcnn.run_record import run_record, write_results
 from jaxcnn.saved_model import save_model
 from jaxcnn.sharding import format_mesh, mesh_for, simulate_devices_for
+from jaxcnn.stopping import stop_requests
 
 
 def train(config: RunConfig) -> dict:
     """The run `config` describes; returns its result record.
 
-    Everything the run leaves goes to its run directory (jaxcnn.runs). A Ctrl-C saves the
-    state there (and in --checkpoint-dir), writes the results so far and exits 130."""
+    Everything the run leaves goes to its run directory (jaxcnn.runs). A stop (SIGTERM,
+    --stop-signal, Ctrl-C: jaxcnn.stopping) saves the state there (and in --checkpoint-dir)
+    at a step every process agrees on, writes the results so far and exits 75 (Ctrl-C: 130).
+    Under --resume auto a finished run is left as it is: its record is returned."""
     started = time.perf_counter()
     data, output = config.data, config.output
     results_dir = results.ensure_writable_dir(output.results_dir)
     if output.run_name:  # the default name needs the mesh; this one can be checked before anything slow
+        if _finished_under_auto(config, results_dir / output.run_name):
+            return _finished_record(results_dir / output.run_name)
+        config = resolve_resume(config, results_dir / output.run_name)
         _check_run_dir(config, results_dir / output.run_name)
-    train_set, test_set = load_datasets(data, config.model.num_classes, config.train.seed)
+    # the test set stays on disk: each process reads (decodes) only its rows of it (fit.eval_share)
+    train_set, test_set = load_datasets(data, config.model.num_classes, config.train.seed, decode_test=False)
     augment = RandomResizedCrop() if data.augment == "imagenet" else Augment(data.augment_shift, data.augment_flip)
     loader = Loader(train_set, augment=augment, workers=data.workers_for(train_set.in_memory), depth=data.prefetch)
 
-    cluster = cluster_from(config.cluster)
-    simulate_devices_for(config.parallel, cluster.num_processes, cluster.local_devices)
-    initialize(cluster)  # jax.distributed, before any device is touched
+    launch = launch_from(config.cluster)
+    simulate_devices_for(config.parallel, launch.num_processes, config.cluster.local_devices)
+    initialize(launch)  # jax.distributed, before any device is touched
     lead = jax.process_index() == 0
+    if launch.launcher != "single" or launch.local_devices:  # every process: each chose its own devices
+        print(f"{PROG}: {launch.describe()}", flush=True)
     if jax.devices()[0].platform == "cpu" and len(jax.devices()) > 1 and config.parallel.host_devices is None and lead:
         print(f"{PROG}: no accelerator found; simulating {len(jax.devices())} CPU devices (--host-devices N to change)")
     layout, mesh = mesh_for(config.parallel)
     default_name = f"{config.model.name}-{layout.name}-{format_mesh(dict(mesh.shape)).replace(',', '_')}"
     run_dir = results_dir / (output.run_name or default_name)
+    if _finished_under_auto(config, run_dir):
+        return _finished_record(run_dir)
+    config = resolve_resume(config, run_dir)
     _check_run_dir(config, run_dir)
     checkpointer = open_checkpoints(config.checkpoint, run_dir)
 
@@ -73,23 +84,25 @@ def train(config: RunConfig) -> dict:
     if output.print_shardings and lead:
         print(format_report(lint_program(program)))
 
-    if cluster.num_processes > 1:  # every process has checked the run directory before the first makes it
+    if launch.multi_process:  # every process has checked the run directory before the first makes it
         multihost_utils.sync_global_devices("jaxcnn: run directory checked")
-    with interrupt_requests(cluster.num_processes == 1) as stop_requested:  # through the model's saving
+    with stop_requests(launch.multi_process, config.checkpoint.stop_signal) as stop:  # through the model's saving
         try:
             outcome = fit_in_run_dir(
-                config, programs, train_config, loader, test_set, run_dir, checkpointer, stop_requested,
-                resumable=not layout.stage_axis and cluster.num_processes == 1,
+                config, programs, train_config, loader, test_set, run_dir, checkpointer, stop,
+                resumable=not layout.stage_axis,
             )  # fmt: skip
             record = run_record(config, programs, train_config, outcome.result, loader, test_set)
             finished = outcome.result.extra["first_step_finished"]
             record["time_to_first_step_seconds"] = finished - started if finished is not None else None
             record["run_dir"] = str(run_dir)
             record["interrupted_at_step"] = outcome.result.steps if outcome.interrupted else None
+            record["stopped_by"] = stop.reason if outcome.interrupted else None
+            record["launch"] = launch.as_record()
             if not outcome.interrupted:
                 save_model(run_dir / runs.MODEL, program.model_variables(outcome.result.state))  # a collective
                 if lead:
-                    shutil.rmtree(run_dir / runs.CHECKPOINTS, ignore_errors=True)  # the model replaces a Ctrl-C's state
+                    shutil.rmtree(run_dir / runs.CHECKPOINTS, ignore_errors=True)  # the model replaces a stop's state
         except BaseException:
             if lead and output.overwrite:  # (never with --resume: refused)
                 runs.undo_overwrite(run_dir)  # the run it was to replace comes back
@@ -100,9 +113,24 @@ def train(config: RunConfig) -> dict:
     if lead:
         write_results(config, record, outcome.result, test_set, run_dir, outcome.interrupted)
         if outcome.interrupted:
-            report_stop(config, run_dir, outcome)
+            report_stop(config, run_dir, outcome, stop)
+    elif outcome.interrupted:  # each process says where it stopped: the same step on every one
+        print(f"{PROG}: process {jax.process_index()} stopped ({stop.reason}) at step {outcome.result.steps}",
+              file=sys.stderr, flush=True)  # fmt: skip
     if outcome.interrupted:
-        sys.exit(130)
+        sys.exit(stop.exit_code)
+    return record
+
+
+def _finished_under_auto(config: RunConfig, run_dir) -> bool:
+    return config.checkpoint.resume == RESUME_AUTO and (run_dir / runs.MODEL).is_dir()
+
+
+def _finished_record(run_dir) -> dict:
+    """--resume auto on a run that has finished: nothing to do (a job requeued after its end)."""
+    record = runs.open_run(run_dir).record
+    if jax.process_index() == 0:
+        print(f"{PROG}: run {run_dir} has finished (its model is in {run_dir / runs.MODEL}); nothing to do")
     return record
 
 

@@ -26,6 +26,7 @@ from jaxcnn.config import LAYOUT_NAMES, ModelConfig, OptimConfig, TrainConfig, U
 from jaxcnn.errors import UserError
 
 BUNDLED_DATASET = "digits"  # the CSVs in data/: the default --dataset
+STOP_SIGNALS = ("USR1", "USR2")  # --stop-signal: besides SIGTERM and Ctrl-C (jaxcnn.stopping)
 DEFAULT_SIMULATED_DEVICES = 8  # on a CPU-only machine, when neither the mesh nor --host-devices says
 AUGMENTS = ("none", "imagenet")  # --augment: imagenet is jaxcnn.data.crops' recipe for image folders
 
@@ -129,14 +130,23 @@ class ClusterConfig:
                 raise UserError(f"--{flag} must be a positive number of seconds, got {seconds}")
 
 
+RESUME_AUTO = "auto"  # --resume auto: continue a run directory that holds a saved state, else start it
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     checkpoint_dir: str | None = None  # Orbax checkpoints, saved asynchronously
     checkpoint_every: int = 100  # steps between checkpoints
     keep_checkpoints: int = 3
-    resume: bool = False  # continue the run (its directory's Ctrl-C state, or --checkpoint-dir's newest)
+    # continue the run (its directory's saved state, or --checkpoint-dir's newest); RESUME_AUTO: when there is one
+    resume: bool | str = False
+    stop_signal: str | None = None  # a signal that stops and saves like SIGTERM (e.g. USR1, for SLURM's --signal)
 
     def __post_init__(self):
+        if self.resume not in (False, True, RESUME_AUTO):
+            raise UserError(f"--resume takes no value or {RESUME_AUTO!r}, got {self.resume!r}")
+        if self.stop_signal is not None and self.stop_signal.upper().removeprefix("SIG") not in STOP_SIGNALS:
+            raise UserError(f"--stop-signal {self.stop_signal!r}: use one of {', '.join(STOP_SIGNALS)}")
         if self.checkpoint_every < 1:
             raise UserError(f"--checkpoint-every must be a positive integer, got {self.checkpoint_every}")
         if self.keep_checkpoints < 1:

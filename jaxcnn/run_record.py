@@ -64,10 +64,9 @@ def run_record(config: RunConfig, programs: dict, train_config, outcome: FitResu
         "train_seconds": outcome.train_seconds,
         "input_wait_fraction": outcome.input_wait_fraction,
         "input_workers": loader.workers,
-        "input_rows_per_process": len(
-            range(program.batch_size)[program.train_input.share.rows]
-        ),  # of each global batch
+        "input_rows_per_process": len(program.train_input.share.rows),  # of each global batch
         "input_startup_seconds": outcome.extra["input_startup_seconds"],  # the first batch: workers starting
+        "eval_examples_per_process": outcome.extra["eval_examples_per_process"],  # test examples process 0 reads
         "data": loader.dataset.source,
         "test_data": test_set.source,
         "image_shape": list(loader.dataset.image_shape),

@@ -96,8 +96,10 @@ def undo_overwrite(path: Path) -> None:
 
 
 def write_config(run_dir: Path, config: RunConfig) -> Path:
-    """The run's whole config: `--resume` and the commands read it back."""
-    return write_json(run_dir / CONFIG, config.to_json())
+    """The run's whole config: `--resume` and the commands read it back. How it was launched
+    (coordinator, processes, devices) belongs to each launch, not to the run: left out, so
+    a resumed run -- on new nodes, another process count -- takes its own."""
+    return write_json(run_dir / CONFIG, {part: v for part, v in config.to_json().items() if part != "cluster"})
 
 
 def read_config(run_dir: Path) -> RunConfig:

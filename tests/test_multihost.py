@@ -32,17 +32,65 @@ FOLDER = ["--image-size", "12x10", "--num-classes", "3", "--augment-shift", "1",
           "--epochs", "3"]  # fmt: skip
 SHARDS = ["--image-size", "12x10", "--num-classes", "3", "--augment", "imagenet", "--input-workers", "1",
           "--epochs", "1"]  # fmt: skip
+# data across the two processes, the batch split over model first: each process holds every other block of rows
+NOT_CONTIGUOUS = ["--layout-rules", "batch=model+data", "--mesh", "data=2,model=2"]
+SLURM_SCRIPT = REPO / "docs/clusters/slurm-task-per-node.sbatch"
 
 
-# dp on the digits held in memory; hybrid (data across the processes, model within each) on an
-# image folder, each process's rows decoded and augmented in a grain worker of its own; dp on
-# prepared shards (`jaxcnn prepare`), each process cutting random resized crops of its rows
-@pytest.mark.parametrize("layout_flags", [["--mesh", "data=4"], ["--layout", "hybrid", "--mesh", "data=2,model=2",
-                                          *FOLDER], ["--mesh", "data=4", *SHARDS]],
-                         ids=["dp", "hybrid-image-folder", "dp-shards"])  # fmt: skip
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def slurm_task_env(node: int, nodes: int = 2) -> dict[str, str]:
+    """What srun gives task 0 of node `node` under the script's --ntasks-per-node=1 (every
+    "node" this machine; JAX_COORDINATOR_PORT: a free port instead of the job's)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return env | {
+        "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": str(nodes),
+        "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node),
+        "SLURM_STEP_TASKS_PER_NODE": f"1(x{nodes})", "JAX_COORDINATOR_PORT": str(free_port()),
+    }  # fmt: skip
+
+
+def run_slurm_script(flags: list[str]) -> str:
+    """docs/clusters/slurm-task-per-node.sbatch's srun command, as 2 tasks on 2 "nodes": this
+    machine's processes with the variables SLURM would give them (`flags` for its "$@")."""
+    from test_launchers import srun_train_command
+
+    command = srun_train_command(SLURM_SCRIPT, flags)
+    envs = [slurm_task_env(node) for node in range(2)]
+    envs[1]["JAX_COORDINATOR_PORT"] = envs[0]["JAX_COORDINATOR_PORT"]
+    procs = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for env in envs]  # fmt: skip
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    return "\n".join(f"[p{i}] {line}" for i, out in enumerate(outs) for line in out.splitlines())
+
+
+# dp on the digits held in memory, launched as SLURM runs docs/clusters' one-task-per-node script;
+# hybrid (data across the processes, model within each) on an image folder, each process's rows
+# decoded and augmented in a grain worker of its own; dp on prepared shards (`jaxcnn prepare`),
+# each process cutting random resized crops of its rows; a table whose batch rows are not one
+# span per process; the pipeline, its stages inside each process, `data` across them
+@pytest.mark.parametrize(
+    "layout_flags",
+    [["--mesh", "data=4", "slurm"], ["--layout", "hybrid", "--mesh", "data=2,model=2", *FOLDER],
+     ["--mesh", "data=4", *SHARDS], NOT_CONTIGUOUS, ["--layout", "pipeline", "--mesh", "data=2,stage=2"]],
+    ids=["dp-slurm", "hybrid-image-folder", "dp-shards", "rows-not-contiguous", "pipeline-stages-in-a-process"],
+)  # fmt: skip
 def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path, layout_flags):
     """The global batches do not depend on the process count: each process decodes and
-    augments only its rows of each (image folder: in a grain worker process)."""
+    augments only its rows of each (image folder: in a grain worker process) -- and
+    evaluates only its rows of the test set, to the same accuracy and loss."""
+    slurm = "slurm" in layout_flags
+    layout_flags = [f for f in layout_flags if f != "slurm"]
     if "--image-size" in layout_flags:
         layout_flags = ["--data", write_folder(tmp_path / "images", per_class=40), *layout_flags]
     if "--augment" in layout_flags:  # the folder's prepared shards instead
@@ -51,18 +99,28 @@ def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path, layout
         )
         layout_flags[1] = tmp_path / "s"
     one = [TRAIN, *TINY, *layout_flags, "--host-devices", "4", "--results-dir", tmp_path / "one", "--run-name", "r"]
+    two_flags = [*TINY, *layout_flags, "--results-dir", tmp_path / "two", "--run-name", "r"]
     with open(tmp_path / "one.log", "w") as log:  # beside the two processes: the cores overlap them
         one_run = subprocess.Popen([sys.executable, *map(str, one)], stdout=log, stderr=subprocess.STDOUT)
         try:
-            out = run([LAUNCH, "--num-processes", "2", "--devices-per-process", "2", "--",
-                       *TINY, *layout_flags, "--results-dir", tmp_path / "two", "--run-name", "r"]).stdout  # fmt: skip
+            if slurm:
+                out = run_slurm_script([*map(str, two_flags), "--checkpoint-dir", str(tmp_path / "checkpoints")])
+            else:
+                out = run([LAUNCH, "--num-processes", "2", "--devices-per-process", "2", "--", *two_flags]).stdout
             assert one_run.wait(timeout=300) == 0, (tmp_path / "one.log").read_text()[-2000:]
         finally:
             one_run.kill()  # a no-op once it has ended
     one, two = (json.loads((tmp_path / d / "r" / "r.json").read_text()) for d in ("one", "two"))
     assert two["num_processes"] == 2 and two["num_devices"] == 4 and one["num_processes"] == 1
+    assert two["launch"]["launcher"] == ("slurm" if slurm else "flags")
     assert (one["input_rows_per_process"], two["input_rows_per_process"]) == (32, 16)  # each builds only its rows
     np.testing.assert_allclose(two["loss_history"], one["loss_history"], rtol=1e-5)
+    # each process reads only its rows of every test batch of 32: process 0 rows 0-15 (two blocks of 8)
+    test_size = one["eval_examples_per_process"]  # one process reads them all
+    held = [*range(8), *range(16, 24)] if layout_flags == NOT_CONTIGUOUS else range(16)
+    assert two["eval_examples_per_process"] == sum(b + r < test_size for b in range(0, test_size, 32) for r in held)
+    np.testing.assert_allclose(two["test_accuracy"], one["test_accuracy"], rtol=1e-6)
+    np.testing.assert_allclose(two["test_loss"], one["test_loss"], rtol=1e-5)
     assert "[p0] wrote" in out and "[p1] wrote" not in out  # only process 0 writes results
 
 

@@ -2,12 +2,14 @@
 stage holding only its own parameters, and bad pipeline settings refused."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO, TINY_PLAIN, bundled_digits, initialised, train_losses
+from test_mesh import FakeGPU
 
 from jaxcnn.analysis.measure import measure_layout
 from jaxcnn.build import build_program
@@ -16,8 +18,9 @@ from jaxcnn.data import load_csv
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
 from jaxcnn.models import count_params, cross_entropy
-from jaxcnn.pipeline.split import balance, default_microbatches, stage_groups
+from jaxcnn.pipeline.split import balance, check_stages_within_processes, default_microbatches, stage_groups
 from jaxcnn.sharding import build_mesh, get_layout
+from jaxcnn.sharding.mesh import device_grid
 
 STEPS = 10
 PIPELINE = get_layout("pipeline")
@@ -204,3 +207,23 @@ def test_remat_and_bfloat16_reach_the_pipeline_stages():
     hlo = "\n".join(part.compiled.as_text() for stage in bf16[2].anatomy.stages for part in stage)
     assert any("bf16" in line and "convolution" in line for line in hlo.splitlines())
     np.testing.assert_allclose(bf16[0], plain[0], rtol=3e-2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "refused"),
+    [({"data": 2, "stage": 2}, None), ({"data": 1, "stage": 4}, "use at most 2 stages, the devices of one process, "
+                                        "e.g. --mesh data=2,stage=2")],
+)  # fmt: skip
+def test_a_stage_boundary_between_processes_is_refused_naming_a_mesh_that_works(shape, refused):
+    """2 processes x 2 GPUs, laid out as a run lays them out (hosts across `data` first): stages
+    inside each process run (tests/test_multihost.py trains one), a boundary between them is refused."""
+    grid = device_grid(shape, [FakeGPU(i, i // 2) for i in range(4)])  # [data, stage]
+    mesh = SimpleNamespace(devices=grid, shape=shape, size=grid.size)
+    stages = [SimpleNamespace(devices=grid[:, s]) for s in range(shape["stage"])]
+    if refused is None:
+        check_stages_within_processes(stages, mesh, "stage")
+    else:
+        with pytest.raises(
+            UserError, match=f"stages 1 and 2 would hand activations from process 0 to process 1.*{refused}"
+        ):
+            check_stages_within_processes(stages, mesh, "stage")

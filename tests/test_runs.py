@@ -292,10 +292,10 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
 def test_a_second_ctrl_c_exits_at_once():
     code = textwrap.dedent("""
         import os, signal, time
-        from jaxcnn.fit import interrupt_requests
-        with interrupt_requests(True) as stop_requested:
+        from jaxcnn.stopping import stop_requests
+        with stop_requests(multi_process=False) as stop:
             os.kill(os.getpid(), signal.SIGINT)
-            print("first: stop requested", stop_requested(), flush=True)
+            print("first: stop requested", stop.check(), flush=True)
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(30)
             print("still running")

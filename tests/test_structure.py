@@ -13,6 +13,7 @@ LAYERS = [
     (
         "jaxcnn.errors",
         "jaxcnn.host_memory",
+        "jaxcnn.stopping",
         "jaxcnn.config",
         "jaxcnn.run_config",
         "jaxcnn.platform_choices",

@@ -31,7 +31,15 @@ from jaxcnn.config import (
     OptimConfig,
     TrainConfig,
 )
-from jaxcnn.run_config import AUGMENTS, DEFAULT_SIMULATED_DEVICES, ClusterConfig
+from jaxcnn.run_config import AUGMENTS, DEFAULT_SIMULATED_DEVICES, RESUME_AUTO, STOP_SIGNALS, ClusterConfig
+from jaxcnn.stopping import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE
+
+
+def resume_mode(text: str) -> str:
+    """--resume's optional value: only 'auto'."""
+    if text != RESUME_AUTO:
+        raise argparse.ArgumentTypeError(f"takes no value or {RESUME_AUTO!r} (continue a saved state, else start)")
+    return text
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -223,9 +231,15 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default %(default)s)")
     g.add_argument("--keep-checkpoints", type=int, default=3, help="keep the last K (default %(default)s)")
     g.add_argument(
-        "--resume", action="store_true",
-        help="continue the run --run-name names from the state a Ctrl-C saved in its directory (or from the newest "
-        "good checkpoint in --checkpoint-dir), with its flags as the defaults",
+        "--resume", nargs="?", const=True, default=False, type=resume_mode, metavar="auto",
+        help="continue the run --run-name names from the state a stop saved in its directory (or from the newest "
+        "good checkpoint in --checkpoint-dir), with its flags as the defaults; '--resume auto': continue when there "
+        "is a saved state, else start (a requeued job reruns its own command line)",
+    )  # fmt: skip
+    g.add_argument(
+        "--stop-signal", metavar="NAME", choices=STOP_SIGNALS,
+        help="a signal that stops the run and saves, as SIGTERM and Ctrl-C do (e.g. USR1 for SLURM's --signal); "
+        f"the run exits {STOPPED_EXIT_CODE} (Ctrl-C: {INTERRUPTED_EXIT_CODE}) and --resume continues it",
     )  # fmt: skip
     g.add_argument(
         "--skip-nonfinite",

@@ -9,17 +9,19 @@ jaxcnn train --layout hybrid --mesh data=4,model=2 --print-shardings
 jaxcnn train --grad-accum 4 --remat full --dtype bfloat16
 jaxcnn train --sync local-sgd --sync-every 8 --optimizer sgd --lr 0.05
 jaxcnn train --batch-schedule 0:32,10:64,20:128 --lr-scaling linear --base-batch 32
-jaxcnn train --resume --run-name NAME             # continue a run stopped by Ctrl-C, with its config
+jaxcnn train --resume --run-name NAME             # continue a run stopped by Ctrl-C or SIGTERM, with its config
+jaxcnn train --resume auto --run-name NAME        # continue it if it saved a state, else start it (requeued jobs)
 
 (`python experiments/train.py` is the same command.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from jaxcnn.commands import cli, run_flags
-from jaxcnn.run_config import RunConfig
+from jaxcnn.run_config import ClusterConfig, RunConfig
 
 PROG = "jaxcnn train"
 DEFAULT_RESULTS_DIR = "runs"
@@ -54,7 +56,10 @@ def parse_flags(argv=None) -> RunConfig:
 
         saved = runs.read_config(run_dir).to_flags()
         known = {action.dest for action in flags._actions}
-        flags.set_defaults(**{k: v for k, v in saved.items() if k in known and k not in ("resume", "overwrite")})
+        # how this launch runs -- its processes, their devices, CPU devices simulated -- is its own, not the run's
+        launch = {*(f.name for f in dataclasses.fields(ClusterConfig)), "host_devices"}
+        not_restored = {"resume", "overwrite", *launch}
+        flags.set_defaults(**{k: v for k, v in saved.items() if k in known and k not in not_restored})
         args = flags.parse_args(argv)
     return RunConfig.from_flags(args)
 

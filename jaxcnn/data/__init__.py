@@ -7,6 +7,7 @@ from jaxcnn.data.folders import ImageFiles, load_image_folder, split_validation
 from jaxcnn.data.loader import (
     Augment,
     Batches,
+    EvalShare,
     Loader,
     Schedule,
     Step,
@@ -22,6 +23,7 @@ __all__ = [
     "Augment",
     "Batches",
     "Dataset",
+    "EvalShare",
     "ImageFiles",
     "Loader",
     "Schedule",

@@ -102,6 +102,53 @@ def eval_batches(dataset: Dataset, batch_size: int) -> Iterator[tuple[np.ndarray
         yield images, batch_labels, mask
 
 
+class EvalShare:
+    """This process's part of evaluating `dataset` in batches of `batch_size` (the last one
+    zero-padded and masked out): the rows `rows` of each batch, the ones its devices hold --
+    read (an image folder: decoded) once and kept, as the test set is evaluated every epoch.
+    A process of a multi-process run reads only its own examples, not every process the
+    whole set."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, rows: np.ndarray | slice):
+        self.size, self.batch_size, self.rows = len(dataset), batch_size, np.arange(batch_size)[rows]
+        batches = -(-self.size // batch_size)
+        examples = np.arange(batches)[:, None] * batch_size + self.rows[None, :]  # [batch, row]: the example there
+        self.valid = examples < self.size
+        own = examples[self.valid]
+        whole = len(own) == self.size  # (ascending: then every example, in order)
+        self.own = dataset.loaded() if whole else dataset.subset(own).loaded()
+        self.starts = np.concatenate([[0], np.cumsum(self.valid.sum(axis=1))])  # batch b's first in `own`
+        self.labels = (
+            self.own.labels if self.own.labels is not None else np.zeros(len(self.own), np.int32)
+        )  # unlabelled: zeros, masked out of nothing (the step's sums are not read)
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def labelled(self) -> bool:
+        return self.own.labels is not None
+
+    def batches(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Each batch's (images, labels, mask), this process's rows of them."""
+        for b, valid in enumerate(self.valid):
+            part = slice(self.starts[b], self.starts[b + 1])
+            mask = valid.astype(np.float32)
+            if valid.all():
+                yield self.own.images[part], self.labels[part], mask
+                continue
+            images = np.zeros((len(valid), *self.own.image_shape), self.own.images.dtype)
+            labels = np.zeros(len(valid), self.labels.dtype)
+            images[valid], labels[valid] = self.own.images[part], self.labels[part]
+            yield images, labels, mask
+
+    def predictions(self, per_batch: list[np.ndarray]) -> np.ndarray:
+        """Every example's prediction, in the dataset's order, from each batch's whole
+        (replicated) predictions."""
+        kept = [p[: min(self.batch_size, self.size - b * self.batch_size)] for b, p in enumerate(per_batch)]
+        return np.concatenate(kept) if kept else np.zeros(0, np.int32)
+
+
 def check_input_options(workers: int | None, depth: int) -> None:
     if (workers is not None and workers < 0) or depth < 1:
         raise UserError(f"--input-workers must be >= 0 and --prefetch >= 1, got {workers} and {depth}")
@@ -336,10 +383,12 @@ def _exit_with_parent(parent: int, worker_index: int, worker_count: int) -> None
     """In each grain worker: exit once the training process is gone. grain stops its workers
     when the iterator closes or the process exits normally, but a process killed outright
     (SIGKILL, the OOM killer, a preempted job) would leave them running. A Ctrl-C reaches
-    the workers too (the terminal signals the whole process group): it is the training
-    process's to handle -- it stops at a step, saves and closes the pipeline -- so the
-    workers ignore it rather than die mid-batch with a traceback each."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    the workers too (the terminal signals the whole process group), and a scheduler's stop
+    (SIGTERM, SLURM's --signal) every process of the job: it is the training process's to
+    handle -- it stops at a step, saves and closes the pipeline -- so the workers ignore it
+    rather than die mid-batch and fail the step the run was to stop at."""
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(stop, signal.SIG_IGN)
 
     def watch():
         while os.getppid() == parent:

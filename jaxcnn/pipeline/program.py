@@ -30,7 +30,7 @@ from jaxcnn.compiling import Compilation, kernel_record
 from jaxcnn.models import build_model, cross_entropy, resolve_kernels, unit_pixels
 from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
 from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
-from jaxcnn.pipeline.split import Stage, stage_groups, sub_meshes
+from jaxcnn.pipeline.split import Stage, check_stages_within_processes, stage_groups, sub_meshes
 from jaxcnn.program import Anatomy, CompiledPart, Program, ProgramSpec
 from jaxcnn.saved_model import ModelVariables, flat_variables, path_key
 from jaxcnn.sharding import axes as ax
@@ -58,6 +58,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     m = microbatches
     micro = batch_size // m
     meshes = sub_meshes(mesh, layout.stage_axis)
+    check_stages_within_processes(meshes, mesh, layout.stage_axis)
     data_ways = math.prod(meshes[0].shape.values())
     tx = make_optimizer(spec.optim_config, spec.total_steps)
     pixels = jnp.dtype(spec.image_dtype)  # stage 0's input; uint8 is scaled in its programs (unit_pixels)
@@ -247,7 +248,8 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     eval_tail, group_images, group_labels = compiled.get("tail"), compiled["group_images"], compiled["group_labels"]
     lower_seconds = time.perf_counter() - start - compilation.seconds  # building the stages and lowering
 
-    schedule = GPipe(programs, rep, m, batch_size, seed, group_images, group_labels, eval_tail)
+    serial = platform == "cpu" and jax.process_count() > 1
+    schedule = GPipe(programs, rep, m, batch_size, seed, group_images, group_labels, eval_tail, serial)
     per_step = [[*(CompiledPart(name, prog[name], m, data_ways, False) for name in PER_MICROBATCH if name in prog),
                  CompiledPart("update", prog["update"], 1, data_ways)] for prog in programs]  # fmt: skip
     program = Program(

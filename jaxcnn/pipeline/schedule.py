@@ -1,8 +1,9 @@
 """The GPipe schedule: the host issues each stage's compiled programs in order.
 
 Stage s's programs run on its own devices (jaxcnn.pipeline.program compiles them);
-activations travel to the next stage's devices with `jax.device_put`, and JAX's
-asynchronous dispatch lets every stage's devices run at once:
+activations travel to the next stage's devices (`to_stage`: each process moves its own
+shards, so stages inside a host and `data` across hosts run on several processes), and
+JAX's asynchronous dispatch lets every stage's devices run at once:
 
     forward:  tick t = 0 .. M+S-2, stage s runs micro-batch t-s   (M+S-1 ticks)
     backward: the same ticks in reverse, each stage recomputing its forward (remat, as
@@ -19,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -40,6 +42,23 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
+def to_stage(x: jax.Array, target: NamedSharding) -> jax.Array:
+    """`x`, on one stage's devices, laid out alike on another's (`target`: the same spec on a
+    mesh of the same shape). Within one process a `device_put`; across several (JAX moves no
+    array between device sets that span processes) each process copies its own shards to the
+    devices at the same mesh positions -- its own too (jaxcnn.pipeline.split checks) -- and
+    the next stage's global array is assembled from them."""
+    if x.is_fully_addressable and target.is_fully_addressable:
+        return jax.device_put(x, target)
+    position = {device: index for index, device in np.ndenumerate(x.sharding.mesh.devices)}
+    moved = {}
+    for shard in x.addressable_shards:
+        destination = target.mesh.devices[position[shard.device]]
+        moved[destination] = jax.device_put(shard.data, destination)
+    pieces = [moved[device] for device in target.addressable_devices_indices_map(x.shape)]
+    return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
+
+
 @dataclass
 class GPipe:
     """Runs one optimizer step (or an evaluation) through the stages' compiled programs.
@@ -57,25 +76,35 @@ class GPipe:
     group_images: Any  # compiled: global batch -> [M, micro, ...], each micro-batch split over data
     group_labels: Any
     eval_tail: Any  # compiled: (logits, labels, mask) -> (loss_sum, correct_sum, predictions)
+    # One program at a time: XLA:CPU's cross-process collectives (gloo) fail with a "collective
+    # mismatch" when two programs on different device sets run theirs at once (seen on 2
+    # processes x 2 CPU devices); GPUs' (NCCL: a communicator per device set) do not.
+    serial: bool = False
+
+    def _run(self, program, *args):
+        out = program(*args)
+        if self.serial:
+            jax.block_until_ready(out)
+        return out
 
     def __post_init__(self):
         self.stages = len(self.programs)
-        self.indices = [  # micro-batch i's index, on stage s's devices
-            [jax.device_put(jnp.int32(i), rep) for i in range(self.microbatches)] for rep in self.replicated
+        self.indices = [  # micro-batch i's index, on stage s's devices (from the host: every process gives it)
+            [jax.device_put(np.int32(i), rep) for i in range(self.microbatches)] for rep in self.replicated
         ]
 
     def init(self) -> PipelineState:
         rep = self.replicated[0]
-        rng = jax.device_put(jax.random.key_data(jax.random.key(self.seed + 1)), rep)
+        rng = jax.device_put(np.asarray(jax.random.key_data(jax.random.key(self.seed + 1))), rep)
         return PipelineState(
-            jax.device_put(jnp.zeros((), jnp.int32), rep), tuple(p["init"]() for p in self.programs), rng
+            jax.device_put(np.zeros((), np.int32), rep), tuple(p["init"]() for p in self.programs), rng
         )
 
     def train_step(self, state: PipelineState, images, labels):
         programs, m, n, rep, mbs = self.programs, self.microbatches, self.stages, self.replicated, self.indices
-        images, labels = self.group_images(images), self.group_labels(labels)
+        images, labels = self._run(self.group_images, images), self._run(self.group_labels, labels)
         step_key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
-        keys = [jax.device_put(step_key, r) for r in rep]
+        keys = [to_stage(step_key, r) for r in rep]
         stats = [st.stats for st in state.stages]
         inputs = [[None] * m for _ in range(n)]  # what stage s received for micro-batch i
         for t in range(m + n - 1):  # forward ticks
@@ -86,10 +115,12 @@ class GPipe:
                 x = images if s == 0 else inputs[s][i]
                 inputs[s][i] = x
                 if s < n - 1:
-                    y, stats[s] = programs[s]["forward"](state.stages[s].params, stats[s], x, mbs[s][i], keys[s])
-                    inputs[s + 1][i] = jax.device_put(y, programs[s + 1]["x_sharding"])
+                    y, stats[s] = self._run(
+                        programs[s]["forward"], state.stages[s].params, stats[s], x, mbs[s][i], keys[s]
+                    )
+                    inputs[s + 1][i] = to_stage(y, programs[s + 1]["x_sharding"])
         grads = [jax.tree.map(jnp.zeros_like, st.params) for st in state.stages]
-        totals = (jax.device_put(jnp.float32(0), rep[-1]), jax.device_put(jnp.int32(0), rep[-1]))
+        totals = (jax.device_put(np.float32(0), rep[-1]), jax.device_put(np.int32(0), rep[-1]))
         douts: list[list] = [[None] * m for _ in range(n)]
         for t in range(m + n - 1):  # backward ticks, last stage first
             for s in reversed(range(n)):
@@ -98,18 +129,18 @@ class GPipe:
                     continue
                 p = state.stages[s].params
                 if s == n - 1:
-                    grads[s], dx, stats[s], totals = programs[s]["last"](
-                        p, stats[s], inputs[s][i], labels, mbs[s][i], keys[s], grads[s], totals
+                    grads[s], dx, stats[s], totals = self._run(
+                        programs[s]["last"], p, stats[s], inputs[s][i], labels, mbs[s][i], keys[s], grads[s], totals
                     )
                 else:
-                    grads[s], dx = programs[s]["backward"](
-                        p, stats[s], inputs[s][i], mbs[s][i], keys[s], douts[s][i], grads[s]
+                    grads[s], dx = self._run(
+                        programs[s]["backward"], p, stats[s], inputs[s][i], mbs[s][i], keys[s], douts[s][i], grads[s]
                     )
                 if s > 0:
-                    douts[s - 1][i] = jax.device_put(dx, programs[s - 1]["y_sharding"])
+                    douts[s - 1][i] = to_stage(dx, programs[s - 1]["y_sharding"])
         new_stages = []
         for s, st in enumerate(state.stages):
-            params, opt_state = programs[s]["update"](st.params, st.opt_state, grads[s])
+            params, opt_state = self._run(programs[s]["update"], st.params, st.opt_state, grads[s])
             new_stages.append(StageState(params, stats[s], opt_state))
         metrics = {"loss": totals[0], "accuracy": totals[1] / self.batch_size}
         return PipelineState(state.step + 1, tuple(new_stages), state.rng), metrics
@@ -118,6 +149,6 @@ class GPipe:
         x = images
         for s, st in enumerate(state.stages):
             if s > 0:
-                x = jax.device_put(x, self.programs[s]["eval_x_sharding"])
-            x = self.programs[s]["eval"](st.params, st.stats, x)
-        return self.eval_tail(x, labels, mask)
+                x = to_stage(x, self.programs[s]["eval_x_sharding"])
+            x = self._run(self.programs[s]["eval"], st.params, st.stats, x)
+        return self._run(self.eval_tail, x, labels, mask)

@@ -107,3 +107,27 @@ def sub_meshes(mesh: Mesh, stage_axis: str) -> list[Mesh]:
         rest, sizes = (ax.DATA,), [1]
     auto = (AxisType.Auto,) * len(rest)
     return [Mesh(np.asarray(grid[s], dtype=object).reshape(sizes), rest, axis_types=auto) for s in range(grid.shape[0])]
+
+
+def check_stages_within_processes(meshes: list[Mesh], mesh: Mesh, stage_axis: str) -> None:
+    """Refuse a pipeline whose stage boundary would cross processes: consecutive stages hand
+    activations over device by device (jaxcnn.pipeline.schedule.to_stage), each process its
+    own shards, so the devices at one position of every stage's mesh must be one process's."""
+    for s in range(len(meshes) - 1):
+        here, there = meshes[s].devices.flat, meshes[s + 1].devices.flat
+        crossing = next(((a, b) for a, b in zip(here, there, strict=True) if a.process_index != b.process_index), None)
+        if crossing is None:
+            continue
+        hosts = len({d.process_index for d in mesh.devices.flat})
+        per_host = mesh.size // hosts
+        stages = mesh.shape[stage_axis]
+        fits = f"--mesh data={mesh.size // stages},{stage_axis}={stages}" if stages <= per_host else None
+        how = (
+            f"keep each stage boundary inside a process: e.g. {fits}, the hosts across data (no --dcn-mesh on {stage_axis})"
+            if fits
+            else f"use at most {per_host} stages, the devices of one process, e.g. --mesh data={hosts},{stage_axis}={per_host}"
+        )
+        raise UserError(
+            f"--layout pipeline: stages {s} and {s + 1} would hand activations from process {crossing[0].process_index} "
+            f"to process {crossing[1].process_index} ({crossing[0]} -> {crossing[1]}), which is not supported; {how}"
+        )

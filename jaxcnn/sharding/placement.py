@@ -21,30 +21,47 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 
-def process_rows(placements: list[tuple[NamedSharding, tuple[int, ...]]]) -> slice:
-    """The rows of a global batch this process's devices hold, over (sharding, global shape)
-    pairs: the images' and the labels' may differ (a pipeline's first and last stage)."""
-    starts, stops = [], []
-    for sharding, shape in placements:
-        for index in sharding.addressable_devices_indices_map(shape).values():
-            starts.append(index[0].start or 0)
-            stops.append(shape[0] if index[0].stop is None else index[0].stop)
-    return slice(min(starts), max(stops)) if starts else slice(0, 0)
+def process_rows(placements: list[tuple[NamedSharding, tuple[int, ...]]]) -> np.ndarray:
+    """The rows of a global batch this process's devices hold, ascending, each once, over
+    (sharding, global shape) pairs: the images' and the labels' may differ (a pipeline's
+    first and last stage). Not always one span: a table that splits the batch over a fast
+    axis first (`batch=model+data`, `data` across hosts) gives a process every other block."""
+    return np.unique(np.concatenate([_rows_held(sharding, tuple(shape)) for sharding, shape in placements]))
+
+
+@functools.lru_cache(maxsize=256)  # asked at every step's placement
+def _rows_held(sharding: NamedSharding, shape: tuple[int, ...]) -> np.ndarray:
+    spans = [index[0].indices(shape[0]) for index in sharding.addressable_devices_indices_map(shape).values()]
+    return np.unique(np.concatenate([np.arange(*span) for span in spans] or [np.zeros(0, np.int64)]))
 
 
 def to_global(
-    array: np.ndarray, sharding: NamedSharding, global_rows: int | None = None, first_row: int = 0
+    array: np.ndarray, sharding: NamedSharding, global_rows: int | None = None, rows: np.ndarray | None = None
 ) -> jax.Array:
     """A global sharded array from this process's rows of it.
 
-    `array` holds rows first_row .. first_row + len(array) of a global array of
+    `array` holds the rows `rows` (ascending; None: 0, 1, ...) of a global array of
     `global_rows` rows (None: `array` is the whole global array); each process hands JAX
-    just the rows its own devices own.
+    just the rows its own devices own -- ascending, one block after another, as
+    `jax.make_array_from_process_local_data` reads them.
     """
     global_shape = (global_rows or len(array), *array.shape[1:])
-    rows = process_rows([(sharding, global_shape)])
-    local = array[rows.start - first_row : rows.stop - first_row]
+    own = _rows_held(sharding, global_shape)
+    at = own if rows is None else np.searchsorted(rows, own)
+    if len(own) and (at[-1] >= len(array) or (rows is not None and not np.array_equal(rows[at], own))):
+        raise ValueError(f"this process's rows of the batch ({_spans(own)}) are not all among the rows given")
+    if len(at) == len(array):
+        local = array  # every row given is this sharding's
+    elif len(at) and at[-1] - at[0] + 1 == len(at):
+        local = array[at[0] : at[-1] + 1]  # one span: a view
+    else:
+        local = array[at]
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+
+def _spans(rows: np.ndarray) -> str:
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    return ", ".join(f"{part[0]}-{part[-1]}" for part in np.split(rows, breaks) if len(part))
 
 
 @dataclass(frozen=True, eq=False)  # holds an array: compared by identity
@@ -55,7 +72,7 @@ class BatchShare:
 
     batch_size: int
     order: np.ndarray | None
-    rows: slice
+    rows: np.ndarray  # ascending positions in the (ordered) batch
 
     def take(self, per_example: np.ndarray) -> np.ndarray:
         """This process's rows of anything with one entry per example of the global batch
@@ -92,8 +109,8 @@ class BatchPlacement:
 
     def place_rows(self, *rows: np.ndarray) -> tuple[jax.Array, ...]:
         """This process's rows of each argument (`share.take`'s) as the step's global arrays."""
-        first = self.share.rows.start
-        return tuple(to_global(a, s.sharding, self.batch_size, first) for a, s in zip(rows, self.arrays, strict=True))
+        own = self.share.rows
+        return tuple(to_global(a, s.sharding, self.batch_size, own) for a, s in zip(rows, self.arrays, strict=True))
 
     def place(self, *whole: np.ndarray) -> tuple[jax.Array, ...]:
         """A whole global batch, held by every process, as the step's global arrays."""

@@ -1,0 +1,152 @@
+"""A stop every process agrees on (jaxcnn.stopping), as clusters stop jobs: real processes,
+signals and restarts. SIGTERM to one of two processes stops both at one step, where both
+save; the same command again continues; a process killed outright is restarted with the
+others from the last checkpoint (launch_local.py --max-restarts); a saved run continues on
+another process count. Every run ends with the losses of one uninterrupted run."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+TRAIN, LAUNCH = REPO / "experiments/train.py", REPO / "experiments/launch_local.py"
+STEPS_PER_EPOCH = 89  # the bundled digits' 1,437 training images in batches of 16
+# not --quiet: the tests time their signals by process 0's epoch lines
+FLAGS = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "16", "--epochs", "2",
+         "--mesh", "data=4"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """One process of 4 devices, never stopped."""
+    results = tmp_path_factory.mktemp("reference")
+    proc = subprocess.run([sys.executable, str(TRAIN), *FLAGS, "--host-devices", "4", "--results-dir", str(results),
+                           "--run-name", "ref"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads((results / "ref" / "ref.json").read_text())
+
+
+def children(pid: int) -> dict[int, int]:
+    """{process id (--process-id): pid} of the training processes a launcher started."""
+    found = {}
+    for child in map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()):
+        args = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+        found[int(args[args.index("--process-id") + 1])] = child
+    return found
+
+
+def start(command: list, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *map(str, command)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=REPO, **kw)  # fmt: skip
+
+
+def signal_after(proc: subprocess.Popen, line_start: str, send) -> str:
+    """Read `proc`'s output; once a line starts with `line_start`, call `send()`; its whole output."""
+    seen, sent = [], False
+    for line in proc.stdout:
+        seen.append(line)
+        if not sent and line.startswith(line_start):
+            send()
+            sent = True
+    proc.wait(timeout=300)
+    assert sent, "".join(seen)[-3000:]
+    return "".join(seen)
+
+
+def stopped_steps(out: str) -> list[int]:
+    """The step each process said it stopped (and saved) at."""
+    return [int(s) for s in re.findall(r"stopped \(\w+\) at step (\d+)", out)]
+
+
+def record(results, name) -> dict:
+    return json.loads((results / name / f"{name}.json").read_text())
+
+
+def assert_same_run(run: dict, reference: dict) -> None:
+    assert len(run["loss_history"]) == len(reference["loss_history"]) == 2 * STEPS_PER_EPOCH
+    np.testing.assert_allclose(run["loss_history"], reference["loss_history"], rtol=1e-5)
+    np.testing.assert_allclose(run["test_accuracy"], reference["test_accuracy"], rtol=1e-6)
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_the_same_command_continues(tmp_path, reference):
+    command = [LAUNCH, "--num-processes", "2", "--", *FLAGS, "--run-name", "r", "--resume", "auto",
+               "--results-dir", tmp_path]  # fmt: skip
+    launcher = start(command)
+    out = signal_after(launcher, "[p0] epoch 1/2", lambda: os.kill(children(launcher.pid)[1], signal.SIGTERM))
+    assert launcher.returncode == 75, out[-3000:]
+    steps = stopped_steps(out)
+    assert len(steps) == 2 and steps[0] == steps[1] and steps[0] % STEPS_PER_EPOCH, out[-3000:]  # mid-epoch
+    stopped = record(tmp_path, "r")
+    assert (stopped["interrupted_at_step"], stopped["stopped_by"]) == (steps[0], "SIGTERM")
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == [str(steps[0])]
+    again = start(command)  # the same command line, as a requeued job runs it
+    out = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, out[-3000:]
+    finished = record(tmp_path, "r")
+    assert finished["resumed_from_step"] == steps[0] and finished["num_processes"] == 2
+    assert_same_run(finished, reference)
+
+
+def test_a_killed_process_restarts_every_process_from_the_last_checkpoint(tmp_path, reference):
+    every = 20
+    command = [LAUNCH, "--num-processes", "2", "--max-restarts", "1", "--", *FLAGS, "--run-name", "r",
+               "--resume", "auto", "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", str(every),
+               "--results-dir", tmp_path]  # fmt: skip
+    launcher = start(command)
+    out = signal_after(launcher, "[p0] epoch 1/2", lambda: os.kill(children(launcher.pid)[1], signal.SIGKILL))
+    assert launcher.returncode == 0, out[-3000:]
+    assert "restarting all 2 (1 of 1)" in out
+    finished = record(tmp_path, "r")
+    # resumed from the newest checkpoint saved before the kill: at or after epoch 1's end (step 89)
+    assert finished["resumed_from_step"] % every == 0 and finished["resumed_from_step"] >= 4 * every
+    assert_same_run(finished, reference)
+
+
+def test_a_stopped_run_continues_on_another_process_count(tmp_path, reference):
+    """1 process stopped by SIGTERM -> 2 processes, stopped by --stop-signal USR1 to one of
+    them as they resume -> 1 process to the end (each resume: Orbax reshards the state onto the new devices)."""
+    common = [*FLAGS, "--run-name", "r", "--resume", "auto", "--stop-signal", "USR1", "--results-dir", tmp_path]
+    one = [TRAIN, *common, "--host-devices", "4"]
+    first = start(one)
+    out = signal_after(first, "epoch 1/2", lambda: first.send_signal(signal.SIGTERM))
+    assert first.returncode == 75 and len(stopped_steps(out)) == 1, out[-3000:]
+    first_stop = stopped_steps(out)[0]
+    two = start([LAUNCH, "--num-processes", "2", "--", *common])
+    out = signal_after(two, "[p0] jaxcnn train: resuming", lambda: os.kill(children(two.pid)[0], signal.SIGUSR1))
+    assert two.returncode == 75, out[-3000:]
+    steps = stopped_steps(out)
+    assert len(steps) == 2 and first_stop < steps[0] == steps[1] < 2 * STEPS_PER_EPOCH, out[-3000:]
+    assert record(tmp_path, "r")["stopped_by"] == "SIGUSR1"  # process 0 was sent it; process 1 heard SIGTERM
+    last = start(one)
+    out = last.communicate(timeout=300)[0]
+    assert last.returncode == 0, out[-3000:]
+    finished = record(tmp_path, "r")
+    assert finished["resumed_from_step"] == steps[0] and finished["num_processes"] == 1
+    assert_same_run(finished, reference)
+
+
+def test_a_resume_takes_its_launch_from_its_own_command_line_not_the_saved_run(tmp_path):
+    """A requeued job gets new nodes and a new coordinator: a run directory's config (an older
+    one's included, which saved its launch) gives a resume no coordinator, process count or
+    devices -- and a run saves none."""
+    from jaxcnn import runs
+    from jaxcnn.commands import train as train_command
+    from jaxcnn.run_config import ClusterConfig, ParallelConfig, RunConfig
+
+    old = RunConfig(parallel=ParallelConfig(mesh="data=4", host_devices=4),
+                    cluster=ClusterConfig(coordinator="node07:61234", num_processes=2, process_id=1,
+                                          local_devices=(2, 3)))  # fmt: skip
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / runs.CONFIG).write_text(json.dumps(old.to_json()))  # as runs before this one saved it
+    resumed = train_command.parse_flags(["--resume", "auto", "--run-name", "r", "--results-dir", str(tmp_path)])
+    assert resumed.cluster == ClusterConfig() and resumed.parallel.host_devices is None
+    assert resumed.parallel.mesh == "data=4"  # the run's own flags are restored
+    runs.write_config(tmp_path / "r", old)
+    assert "cluster" not in json.loads((tmp_path / "r" / runs.CONFIG).read_text())
