@@ -124,19 +124,27 @@ class Processes:
 
 def launch(num_processes: int, devices_per_process: int, train_args: list[str], max_restarts: int = 0) -> int:
     current: list[Processes] = []
+    stopping = []  # a stop was sent: the processes' ends (a -15 before they handle it) are no failure
 
     def forward(signum, frame):  # a scheduler's stop: every process stops at one step and saves
-        current[-1].signal(signum)
+        stopping.append(signum)
+        if current:  # (none started yet: the loop below starts none)
+            current[-1].signal(signum)
 
     # A Ctrl-C reaches every process of the terminal's group, the training processes too: they
     # stop and save by themselves (passed on, it would reach them twice: "exit at once").
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, forward),
                 signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, frame: None)}  # fmt: skip
     try:
+        status = 0
         for attempt in range(max_restarts + 1):
+            if stopping:
+                break
             current.append(Processes(num_processes, devices_per_process, train_args))
+            if stopping:  # sent while they started
+                current[-1].signal(stopping[0])
             status, failed = current[-1].wait(grace_s=0 if max_restarts else GRACE_S)
-            if not failed or attempt == max_restarts:
+            if not failed or attempt == max_restarts or stopping:
                 return status
             print(f"launch_local.py: a process failed (exit {status}); restarting all {num_processes} "
                   f"({attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)  # fmt: skip

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, UpdateConfig, check_layout_options, total_steps
+from jaxcnn.data.on_device import OnDevice
 from jaxcnn.errors import UserError
 from jaxcnn.models import CustomModel, build_model
 from jaxcnn.optim import optim_for_batch
@@ -46,6 +47,8 @@ def build_program(
     stage_split: tuple[int, ...] | None = None,
     compiler_options: dict | None = None,
     image_dtype: str = "float32",
+    on_device: OnDevice | None = None,
+    steps_per_call: int = 1,
 ) -> Program:
     """Compile the init, train and eval steps of one (model, layout, mesh, batch size);
     the model one of jaxcnn's (a ModelConfig) or your own (jaxcnn.models.CustomModel).
@@ -56,9 +59,18 @@ def build_program(
     `microbatches` and `stage_split` shape a pipeline. `compiler_options` replace
     jaxcnn's XLA options for the steps (None: jaxcnn.compiling's for the platform).
     `image_dtype` is the batches' pixels: "float32" in [0, 1], or "uint8" (an image
-    folder's bytes), scaled to [0, 1] inside every compiled step (jaxcnn.models.unit_pixels)."""
+    folder's bytes), scaled to [0, 1] inside every compiled step (jaxcnn.models.unit_pixels).
+    `on_device` (jaxcnn.data.on_device) compiles steps that gather their batches from the
+    training set held on the devices; `steps_per_call` K > 1 a call of K steps
+    (jaxcnn.steps.calls); more calls compile when `program.calls` is asked for them."""
     if image_dtype not in IMAGE_DTYPES:
         raise UserError(f"image dtype {image_dtype!r}: one of {', '.join(IMAGE_DTYPES)}")
+    if steps_per_call < 1:
+        raise UserError(f"--steps-per-call must be a positive integer or auto, got {steps_per_call}")
+    if layout.stage_axis and (on_device or steps_per_call > 1):
+        raise UserError(
+            "--data-on-device and --steps-per-call do not apply to --layout pipeline: the host drives its stages"
+        )
     eval_batch_size = eval_batch_size or batch_size
     update = update or UpdateConfig()
     check_layout_options(bool(layout.stage_axis), update, microbatches, stage_split)
@@ -73,7 +85,7 @@ def build_program(
         model_config=model_config, optim_config=optim_config, layout=layout, mesh=mesh, image_shape=image_shape,
         batch_size=batch_size, total_steps=total_steps, seed=seed, eval_batch_size=eval_batch_size,
         with_eval=with_eval, with_init=with_init, update=update, compiler_options=compiler_options,
-        image_dtype=image_dtype,
+        image_dtype=image_dtype, on_device=on_device, steps_per_call=steps_per_call,
     )  # fmt: skip
     if layout.stage_axis:
         if isinstance(model_config, CustomModel):

@@ -64,9 +64,13 @@ class Checkpointer:
         except OSError as err:
             raise UserError(f"cannot use --checkpoint-dir {directory}: {err.strerror or err}") from None
 
-    def due(self, step: int, last: bool = False) -> bool:
-        """Whether to save at `step` (`last`: the run's final step)."""
-        return bool(self.every) and (last or step % self.every == 0)
+    def due(self, step: int, last: bool = False, since: int | None = None) -> bool:
+        """Whether to save at `step` (`last`: the run's final step): a multiple of `every`,
+        or -- the loop arriving from step `since`, several steps a call -- one passed since."""
+        if not self.every:
+            return False
+        since = step - 1 if since is None else since
+        return last or step // self.every > since // self.every
 
     def save(self, step: int, state, record: dict) -> None:
         """Start saving (returns once the arrays are copied off the devices)."""

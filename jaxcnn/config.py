@@ -245,8 +245,11 @@ class TrainConfig:
     lr_scaling: str = "none"  # "linear": lr x batch / base_batch, warmup from lr (Goyal et al. 2017)
     base_batch: int | None = None  # the batch the base learning rate was tuned for
     auto_batch: str | None = None  # "2GiB": the largest batch whose compiled step fits this per device
+    steps_per_call: int | str = "auto"  # optimizer steps per compiled call; "auto": chosen by the loop (jaxcnn.fit)
 
     def __post_init__(self):
+        if self.steps_per_call != "auto" and (not isinstance(self.steps_per_call, int) or self.steps_per_call < 1):
+            raise UserError(f"--steps-per-call must be a positive integer or auto, got {self.steps_per_call!r}")
         if self.batch_schedule:
             epochs = [e for e, _ in self.batch_schedule]
             if epochs[0] != 0 or any(b <= a for a, b in itertools.pairwise(epochs)):

@@ -1,13 +1,14 @@
 """How this process joins a run: the launcher that started it, the devices it takes, and
 `jax.distributed` started from them.
 
-One command line for every launcher. `launch_from(config)` reads, in this order:
+One command line for every launcher. `launch_from(config)` reads, in this order (the
+innermost launcher first: torchrun under srun also sees SLURM's variables):
 
   flags       --coordinator HOST:PORT --num-processes N --process-id I (or JAXCNN_COORDINATOR,
               JAXCNN_NUM_PROCESSES, JAXCNN_PROCESS_ID): what experiments/launch_local.py passes
-  slurm       an srun task of a step with 2+ tasks (SLURM_PROCID, SLURM_NTASKS, ...)
-  openmpi     an mpirun rank of 2+ (OMPI_COMM_WORLD_RANK, ...)
   torchrun    torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)
+  openmpi     an mpirun rank of 2+ (OMPI_COMM_WORLD_RANK, ...)
+  slurm       an srun task of a step with 2+ tasks (SLURM_PROCID, SLURM_NTASKS, ...)
   single      none of these: one process
 
 For SLURM and Open MPI the coordinator, process count and id come from JAX's own cluster
@@ -87,7 +88,12 @@ def _int(environ: Mapping[str, str], name: str) -> int | None:
 
 
 def _id_list(text: str | None) -> tuple[int, ...] | None:
-    return tuple(int(part) for part in text.split(",")) if text else None
+    try:
+        return tuple(int(part) for part in text.split(",")) if text else None
+    except ValueError:
+        raise UserError(
+            f"environment variable JAX_LOCAL_DEVICE_IDS={text!r} must be device numbers, e.g. 0,1"
+        ) from None
 
 
 def visible_gpus(environ: Mapping[str, str]) -> int | None:
@@ -118,15 +124,26 @@ def slurm_tasks_on_node(environ: Mapping[str, str]) -> int | None:
 
 
 def choose_local_devices(
-    local_processes: int | None, local_rank: int, visible: int | None, per_task: int | None = None
+    local_processes: int | None,
+    local_rank: int,
+    visible: int | None,
+    per_task: int | None = None,
+    node_gpus: int | None = None,
 ) -> tuple[tuple[int, ...] | None, str]:
     """(the accelerators this process takes, why): `local_processes` on this host (None:
     unknown), this one's `local_rank` among them, the GPUs it can see (`visible`, None:
-    unknown) and the GPUs the launcher gave each task (`per_task`, SLURM's --gpus-per-task).
-    Ids count the GPUs the process sees (CUDA's numbering under CUDA_VISIBLE_DEVICES)."""
+    unknown), the GPUs the launcher gave each task (`per_task`, SLURM's --gpus-per-task) and
+    the host's GPUs (`node_gpus`, SLURM's count). Ids count the GPUs the process sees
+    (CUDA's numbering under CUDA_VISIBLE_DEVICES)."""
     seen = f"{visible} visible" if visible is not None else "count unknown"
-    if local_processes is None or local_processes == 1:
+    if local_processes == 1:
         return None, f"one process on this host: all its GPUs ({seen})"
+    if visible is not None and node_gpus is not None and visible < node_gpus:
+        return None, f"bound: the process sees {visible} of the host's {node_gpus} GPUs, its own"
+    if local_processes is None:  # JAX's own rule, unless it would name a GPU the process cannot see
+        if visible is not None and local_rank >= visible:
+            return None, f"bound: local rank {local_rank} but only {visible} GPUs visible, its own"
+        return (local_rank,), f"processes on this host unknown: one GPU by local rank {local_rank}"
     if per_task is not None:
         if visible is None or visible == per_task:
             return None, f"bound by the launcher (--gpus-per-task={per_task}): the task sees only its own"
@@ -186,6 +203,8 @@ def launch_from(config: ClusterConfig, environ: Mapping[str, str] | None = None)
     name, local_processes, local_rank, per_task = found
     if name == "torchrun":
         port = _int(environ, "JAX_COORDINATOR_PORT") or _int(environ, "MASTER_PORT")
+        if port is None:
+            raise UserError("torchrun's MASTER_PORT is empty: set it (or JAX_COORDINATOR_PORT) to a free port")
         if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not environ.get("JAX_COORDINATOR_PORT"):
             port += 1  # torchrun's agent holds MASTER_PORT itself
         coordinator = environ.get("JAX_COORDINATOR_ADDRESS") or f"{environ['MASTER_ADDR']}:{port}"
@@ -195,7 +214,8 @@ def launch_from(config: ClusterConfig, environ: Mapping[str, str] | None = None)
     if given:
         devices, reason = given, "--local-devices" if config.local_devices else "JAX_LOCAL_DEVICE_IDS"
     else:
-        devices, reason = choose_local_devices(local_processes, local_rank, visible_gpus(environ), per_task)
+        node_gpus = _int(environ, "SLURM_GPUS_ON_NODE") if name == "slurm" else None
+        devices, reason = choose_local_devices(local_processes, local_rank, visible_gpus(environ), per_task, node_gpus)
     return Launch(name, coordinator, count, pid, devices, reason, **timing)
 
 
@@ -213,16 +233,21 @@ def _from_flags(coordinator: str, num_processes, process_id, given, timing) -> L
 
 def _launcher(environ: Mapping[str, str]) -> tuple[str, int | None, int, int | None] | None:
     """(launcher, processes on this host, local rank, GPUs per task) of a launch of 2+
-    processes found in the environment; None when there is none."""
-    if (_int(environ, "SLURM_NTASKS") or 1) > 1 and "SLURM_STEP_NODELIST" in environ and "SLURM_PROCID" in environ:
-        per_task = environ.get("SLURM_GPUS_PER_TASK")  # "2", or "a100:2" with a type
-        per_task = int(per_task.rpartition(":")[2]) if per_task else None
-        return "slurm", slurm_tasks_on_node(environ), _int(environ, "SLURM_LOCALID") or 0, per_task
+    processes found in the environment; None when there is none. The innermost launcher
+    wins: torchrun under srun, or mpirun inside an sbatch script, also sees SLURM's
+    variables, which describe the allocation, not these processes."""
+    if all(name in environ for name in TORCHRUN) and (_int(environ, "WORLD_SIZE") or 1) > 1:
+        return "torchrun", _int(environ, "LOCAL_WORLD_SIZE"), _int(environ, "LOCAL_RANK") or 0, None
     if (_int(environ, "OMPI_COMM_WORLD_SIZE") or 1) > 1:
         local = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
         return "openmpi", local, _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK") or 0, None
-    if all(name in environ for name in TORCHRUN) and (_int(environ, "WORLD_SIZE") or 1) > 1:
-        return "torchrun", _int(environ, "LOCAL_WORLD_SIZE"), _int(environ, "LOCAL_RANK") or 0, None
+    if (_int(environ, "SLURM_NTASKS") or 1) > 1 and "SLURM_STEP_NODELIST" in environ and "SLURM_PROCID" in environ:
+        per_task = environ.get("SLURM_GPUS_PER_TASK")  # "2", or "a100:2" with a type
+        try:
+            per_task = int(per_task.rpartition(":")[2]) if per_task else None
+        except ValueError:
+            raise UserError(f"environment variable SLURM_GPUS_PER_TASK={per_task!r} is not a GPU count") from None
+        return "slurm", slurm_tasks_on_node(environ), _int(environ, "SLURM_LOCALID") or 0, per_task
     return None
 
 

@@ -23,12 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxcnn.checkpoint import state_fingerprint
 from jaxcnn.config import DIVERGENCE_FACTOR, TrainConfig, epoch_steps
 from jaxcnn.data import Batches, Dataset, EvalShare, Loader
+from jaxcnn.data.on_device import DeviceFeed
 from jaxcnn.errors import UserError
 from jaxcnn.program import Program
 from jaxcnn.resume import Resume, epoch_sizes
@@ -50,6 +52,22 @@ def eval_share(program: Program, dataset: Dataset | EvalShare) -> EvalShare:
     if isinstance(dataset, EvalShare):
         return dataset
     return EvalShare(dataset, program.eval_input.batch_size, program.eval_input.share.rows)
+
+
+def _eval_shares(programs: dict[int, Program], test_set: Dataset | None) -> dict[int, EvalShare]:
+    """Each program's share of the test set, read (decoded) once, before training. Programs
+    of a batch schedule that evaluate the same rows share one; where they differ, the set is
+    decoded once, whole, and each takes its rows from memory."""
+    if test_set is None:
+        return {}
+    key = {id(p): (p.eval_input.batch_size, p.eval_input.share.rows.tobytes()) for p in programs.values()}
+    if len(set(key.values())) > 1 and not test_set.in_memory:
+        test_set = test_set.loaded()
+    shares: dict = {}
+    for p in programs.values():
+        if key[id(p)] not in shares:
+            shares[key[id(p)]] = eval_share(p, test_set)
+    return {id(p): shares[key[id(p)]] for p in programs.values()}
 
 
 def evaluate(program: Program, state, dataset: Dataset | EvalShare) -> Evaluation:
@@ -120,6 +138,7 @@ def fit(
     on_epoch: Callable[[dict, list[float]], None] | None = None,
     stop: StopRequests | None = None,
     interrupt_saves: Sequence = (),
+    device_data: tuple | None = None,
 ) -> FitResult:
     """Train for the run's steps, evaluating on `test_set` after every epoch.
 
@@ -133,8 +152,16 @@ def fit(
     each epoch's evaluation with its row and its steps' losses. Once `stop.check()` agrees
     (jaxcnn.stopping: a Ctrl-C or SIGTERM, in any process), the loop stops at that step
     boundary, saves the state in `checkpointer` and `interrupt_saves`, and raises
-    `Interrupted`. `stop.check()` is asked once per step: after each step but an epoch's
-    last, and after the epoch's evaluation.
+    `Interrupted`. `stop.check()` is asked once per call: after each but an epoch's last,
+    and after the epoch's evaluation.
+
+    `device_data` is the training set placed on the devices (jaxcnn.data.on_device; the
+    programs compiled for it): each call gets its examples' indices instead of batches.
+    `config.steps_per_call` steps run in one compiled call (jaxcnn.steps.calls); "auto"
+    times the first steps and, with the data on the devices and a step short enough for
+    the host to matter, compiles a call of enough steps on a thread and switches to it.
+    Metrics come to the host every NONFINITE_CHECK_STEPS steps (from calls already done):
+    a non-finite loss stops the run at most that many steps plus two calls after it.
     """
     stop = stop or StopRequests(multi_process=False)
     if not isinstance(programs, dict):
@@ -146,10 +173,21 @@ def fit(
     on_terminal = progress and sys.stdout.isatty()  # a bar to redraw; in a log, a line per epoch
     bar = tqdm(total=total, initial=training_log.step, unit="step", disable=not on_terminal, mininterval=0.1)
     placements = [programs[config.batch_for_epoch(epoch)].train_input for epoch in range(len(steps_per_epoch))]
-    # each process's rows of the test set, read (decoded) once, before training: one share per evaluation batch
-    tests = {id(p): eval_share(p, test_set) for p in programs.values()} if test_set is not None else {}
+    tests = _eval_shares(programs, test_set)
     training_log.eval_examples = max((len(t.own) for t in tests.values()), default=None)
-    batches = loader.batches(steps_per_epoch, placements, config.seed, resume.loader_position() if resume else None)
+    position = resume.loader_position() if resume else None
+    fixed = config.steps_per_call if isinstance(config.steps_per_call, int) else 1
+    if device_data is not None:
+        first = position["next_step"] if position else 0
+        batches = DeviceFeed(device_data, len(loader), steps_per_epoch, placements, config.seed, first, fixed)
+    else:
+        batches = loader.batches(steps_per_epoch, placements, config.seed, position, steps_per_call=fixed)
+    first_program = programs[config.batch_for_epoch(0)]
+    sizer = (
+        _CallSizer(batches, steps_per_epoch)
+        if config.steps_per_call == "auto" and device_data is not None and first_program.averaging is None
+        else None
+    )
     result = None
     first_in_epoch = 0
     try:
@@ -158,11 +196,15 @@ def fit(
             if first_in_epoch + count <= training_log.step:
                 continue  # finished before the checkpoint this run resumed from
             program = programs[config.batch_for_epoch(epoch)]
-            state, row = _train_epoch(program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop)
+            state, row = _train_epoch(
+                program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop, sizer
+            )
             if row is not None:  # the epoch ran to its end (a stop mid-epoch leaves no row)
                 row, result = _evaluated(row, program, state, tests.get(id(program)))
                 training_log.rows.append(row)
-                if checkpointer is not None and checkpointer.due(training_log.step, last=training_log.step == total):
+                if checkpointer is not None and checkpointer.due(
+                    training_log.step, last=training_log.step == total, since=training_log.last_call_from
+                ):
                     training_log.save(
                         state, batches
                     )  # at an epoch's end: after its row, so a resumed run's results hold it
@@ -182,6 +224,7 @@ def fit(
     finally:
         batches.close()
     training_log.input_startup_seconds = batches.startup_seconds
+    training_log.calls = {"steps_per_call": batches.steps_per_call, **(sizer.measured if sizer else {})}
     bar.close()
     if result is None and test_set is not None:  # resumed at the very end: nothing left to train
         last = programs[config.batch_for_epoch(len(steps_per_epoch) - 1)]
@@ -210,46 +253,76 @@ def epoch_line(row: dict, epochs: int, total_steps: int) -> str:
     )  # fmt: skip
 
 
+NONFINITE_CHECK_STEPS = 64  # metrics come to the host after this many steps (docs: a NaN's latency)
+
+
+def _step_runner(program: Program, steps: int, on_device: bool):
+    """(the compiled call for `steps` steps, whether its metrics come stacked [steps])."""
+    if steps == 1 and not on_device:
+        return program.train_step, False
+    call = program.calls.get(steps, on_device)
+    return call.run, call.stacked
+
+
 def _train_epoch(
     program: Program,
     state,
-    batches: Batches,
+    batches: Batches | DeviceFeed,
     training_log: _TrainingLog,
     epoch: int,
     first: int,
     count: int,
     bar,
     stop: StopRequests,
+    sizer: _CallSizer | None,
 ):
-    """Run epoch `epoch`'s steps from where `training_log` stands; (new state, the epoch's row).
-    The row is None when a stop was requested before the epoch's last step."""
+    """Run epoch `epoch`'s steps from where `training_log` stands, a call at a time; (new
+    state, the epoch's row). The row is None when a stop was requested before the epoch's
+    last call. Per call the host dispatches, notes it for the stall clock, and moves the
+    bar; metrics come to the host now and then, from calls already done."""
     batch, total = program.batch_size, sum(training_log.steps_per_epoch)
-    todo = first + count - training_log.step
-    pending = []
+    on_device = isinstance(batches, DeviceFeed)
+    end = first + count
+    pending: list[tuple[dict, int, bool]] = []  # (a call's metrics, the steps it ran, stacked) not on the host yet
+    older = 0  # steps in `pending` before its newest call
     start = time.perf_counter()
-    done = 0
-    for _ in range(todo):
-        state, step_metrics = program.train_step(state, *batches.next())
-        if program.averaging is not None:  # local SGD: the replicas meet when due
+    while training_log.step < end:
+        started = time.perf_counter()
+        steps, held, inputs = batches.next_call()
+        run, stacked = _step_runner(program, held, on_device)
+        state, call_metrics = run(state, *inputs)
+        dispatched = time.perf_counter()
+        if program.averaging is not None:  # local SGD (one step a call): the replicas meet when due
             state = program.averaging.after_step(state, training_log.step + 1, total)
-        pending.append(step_metrics)
         if training_log.images_seen == 0:  # one-off costs: keep them out of steady state
             jax.block_until_ready(state)
             training_log.first_step_finished = time.perf_counter()
             training_log.first_step_seconds = training_log.first_step_finished - start
-        batches.dispatched(step_metrics["loss"])  # the stall's clock: when this step finishes
-        training_log.step += 1
-        training_log.images_seen += batch
-        done += 1
-        bar.update(1)
-        if done < todo and stop.check():
+            training_log.first_call_images = steps * batch
+        batches.dispatched(call_metrics)  # the stall's clock: when this call finishes
+        training_log.last_call_from = training_log.step
+        training_log.step += steps
+        training_log.images_seen += steps * batch
+        bar.update(steps)
+        if sizer is not None:
+            sizer.after_call(program, state, steps, started, dispatched, training_log.step)
+        older += pending[-1][1] if pending else 0
+        pending.append((call_metrics, steps, stacked))
+        if older >= NONFINITE_CHECK_STEPS:  # the calls before this one are done, or nearly: no wait
+            training_log.collect(pending[:-1])
+            del pending[:-1]
+            older = 0
+        if training_log.step < end and stop.check():
             break
+        checkpointer = training_log.checkpointer
         if (
-            training_log.checkpointer is not None
-            and training_log.checkpointer.due(training_log.step)
-            and training_log.step < first + count
+            checkpointer is not None
+            and checkpointer.due(training_log.step, since=training_log.last_call_from)
+            and training_log.step < end
         ):
             training_log.collect(pending)  # never save a state that followed a non-finite loss
+            pending.clear()
+            older = 0
             training_log.save(state, batches)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
@@ -257,20 +330,100 @@ def _train_epoch(
     training_log.train_seconds += seconds
     training_log.stall_seconds += stall
     training_log.collect(pending)
-    if done < todo:
+    if training_log.step < end:
         return state, None
+    todo = end - first
     return state, {
         "epoch": epoch + 1,
         "step": training_log.step,
         "global_batch_size": batch,
-        "train_loss": float(np.mean(training_log.losses[first : first + count])),
-        "train_accuracy": float(np.mean(training_log.accuracies[first : first + count])),
+        "train_loss": float(np.mean(training_log.losses[first:end])),
+        "train_accuracy": float(np.mean(training_log.accuracies[first:end])),
         "test_loss": None,
         "test_accuracy": None,
         "epoch_seconds": seconds,
         "images_per_second": todo * batch / seconds,
         "input_wait_fraction": stall / seconds,
     }
+
+
+class _CallSizer:
+    """--steps-per-call auto, with the data on the devices. The first calls run one step
+    each; MEASURE_CALLS of them (after the first, which compiles or warms up) are timed
+    apart: the host's part -- taking the inputs and dispatching -- and the devices'. Where
+    the host's part is under a tenth of a step, dispatching ahead hides it and one step a
+    call stays. Else the call gets enough steps for the host to be a tenth of it (at most an
+    epoch's), compiled on a thread while single steps go on, and used once ready -- when the steps left would save more than the compile costs (estimated: a
+    CPU compiles the K steps written out, COMPILE_SECONDS_PER_STEP_CPU each, at most
+    MAX_STEPS_CPU; elsewhere one loop, COMPILE_SECONDS)."""
+
+    MEASURE_CALLS = 8
+    HOST_SHARE = 0.1  # the host's part of a call the chosen size aims for
+    MAX_STEPS, MAX_STEPS_CPU = 256, 8
+    COMPILE_SECONDS, COMPILE_SECONDS_PER_STEP_CPU = 10.0, 3.0
+
+    def __init__(self, feed: DeviceFeed, steps_per_epoch: list[int]):
+        self.feed, self.epoch_steps, self.total = feed, steps_per_epoch[0], sum(steps_per_epoch)
+        self.calls_seen, self.chosen = 0, None
+        self.host_seconds: list[float] = []
+        self.device_seconds: list[float] = []
+
+    @property
+    def measured(self) -> dict:
+        if not self.device_seconds:
+            return {}
+        return {"host_seconds_per_call": float(np.median(self.host_seconds)),
+                "step_seconds": float(np.median(self.device_seconds))}  # fmt: skip
+
+    def after_call(self, program: Program, state, steps: int, started: float, dispatched: float, step: int) -> None:
+        """After a call that began (taking its inputs) at `started` and was dispatched at
+        `dispatched`; `step`: the run's steps taken."""
+        if self.chosen is not None:
+            if self.chosen > 1 and self.feed.steps_per_call == 1:
+                if program.calls.ready(self.chosen, True):
+                    self.feed.steps_per_call = self.chosen
+                else:
+                    program.calls.compile_ahead(self.chosen, True)  # (once: a batch schedule's next program)
+            return
+        self.calls_seen += 1
+        if self.calls_seen == 1:  # compiled or warmed up: not a measure
+            return
+        jax.block_until_ready(state)
+        self.host_seconds.append(dispatched - started)
+        self.device_seconds.append(max(time.perf_counter() - dispatched, 1e-7))
+        if len(self.host_seconds) == self.MEASURE_CALLS:
+            measured = self.measured
+            cpu = program.mesh.devices.flat[0].platform == "cpu"
+            self.chosen = self.steps_for(measured["host_seconds_per_call"], measured["step_seconds"], cpu, step)
+            if self.chosen > 1:
+                program.calls.compile_ahead(self.chosen, True)
+
+    def steps_for(self, host: float, step: float, cpu: bool, taken: int) -> int:
+        if host <= self.HOST_SHARE * step:
+            return 1
+        steps = min(math.ceil(host / (self.HOST_SHARE * step)), self.MAX_STEPS_CPU if cpu else self.MAX_STEPS)
+        steps = max(2, min(steps, self.epoch_steps))
+        saved = (self.total - taken) * host * (1 - 1 / steps)
+        cost = self.COMPILE_SECONDS_PER_STEP_CPU * steps if cpu else self.COMPILE_SECONDS
+        return steps if saved > cost else 1
+
+
+def _on_host(calls: list) -> list:
+    """Calls' (metrics, steps, stacked) with the metrics on the host. Each metric's values
+    of every call are joined on the devices first (one op) and come over as one array: a
+    transfer per array costs the host tens of microseconds, per step when a call is one."""
+    if len(calls) < 2:
+        return jax.device_get(calls)
+    names = list(calls[0][0])
+    if any(list(m) != names or m[names[0]].ndim != calls[0][0][names[0]].ndim for m, _, _ in calls):
+        return jax.device_get(calls)  # mixed kinds of call (rare): one by one
+    join = jnp.stack if calls[0][0][names[0]].ndim == 0 else jnp.concatenate
+    joined = jax.device_get({name: join([m[name] for m, _, _ in calls]) for name in names})
+    if calls[0][0][names[0]].ndim == 0:
+        return [({n: joined[n][i] for n in names}, steps, stacked) for i, (_, steps, stacked) in enumerate(calls)]
+    ends = np.cumsum([len(m[names[0]]) for m, _, _ in calls])
+    return [({n: joined[n][end - len(m[names[0]]) : end] for n in names}, steps, stacked)
+            for end, (m, steps, stacked) in zip(ends, calls, strict=True)]  # fmt: skip
 
 
 class _TrainingLog:
@@ -290,20 +443,26 @@ class _TrainingLog:
         self.rows = resume.rows(steps_per_epoch, config)
         self.skipped, self.step, self.saved_at = resume.skipped_steps, resume.step, resume.step
         self.images_seen = 0
+        self.first_call_images = 0  # the first call's: warm-up, kept out of the steady state
+        self.last_call_from = resume.step  # the step the last call started at
         self.train_seconds = self.stall_seconds = self.first_step_seconds = 0.0
         self.first_step_finished = None  # time.perf_counter() when the run's first step had finished
         self.input_startup_seconds = None
         self.eval_examples = None  # test examples this process reads (its rows of each batch)
+        self.calls = {}  # the steps per call the run ended with, and the step time its choice read
         self.fingerprint = None
 
-    def collect(self, metrics: list) -> None:
-        """Move pending step metrics to the host and check them (a sync point)."""
+    def collect(self, calls: list) -> None:
+        """Move pending calls' metrics ((metrics, steps, stacked) each) to the host and check
+        them (a sync point: waits for those calls)."""
         start = len(self.losses)
-        for m in jax.device_get(metrics):
-            self.losses.append(float(m["loss"]))
-            self.accuracies.append(float(m["accuracy"]))
-            self.skipped += int(m.get("skipped", 0))
-        metrics.clear()
+        for m, steps, stacked in _on_host(calls):
+            # one call's [held] steps' metrics: the first `steps` ran (an epoch's last call may hold more)
+            m = {name: np.reshape(value, -1)[:steps] if stacked else np.reshape(value, 1) for name, value in m.items()}
+            self.losses.extend(map(float, m["loss"]))
+            self.accuracies.extend(map(float, m["accuracy"]))
+            self.skipped += int(np.sum(m.get("skipped", 0)))
+        calls.clear()
         bad = [k for k, v in enumerate(self.losses[start:], start + 1) if not math.isfinite(v)]
         if bad and not self.skip_nonfinite:
             where = ""
@@ -334,12 +493,13 @@ class _TrainingLog:
     def result(self, state, final_eval: Evaluation | None) -> FitResult:
         images_per_second = wait_fraction = None
         if self.images_seen:  # else resumed with nothing left to train: no throughput to report
-            steady_images = self.images_seen - self.config.batch_for_epoch(0)
+            # the steady state: the first call (compiling or warming up) left out of both figures
+            steady_images = self.images_seen - self.first_call_images
             steady_seconds = self.train_seconds - self.first_step_seconds
-            if steady_images <= 0 or steady_seconds <= 0:  # one step only: warm-up included
+            if steady_images <= 0 or steady_seconds <= 0:  # one call only: warm-up included
                 steady_images, steady_seconds = self.images_seen, self.train_seconds
             images_per_second = steady_images / steady_seconds
-            wait_fraction = self.stall_seconds / self.train_seconds
+            wait_fraction = self.stall_seconds / steady_seconds
         diverged = diverged_at(self.losses)
         if diverged is not None:
             losses = self.losses
@@ -363,6 +523,7 @@ class _TrainingLog:
                 "diverged_at_step": diverged,
                 "input_startup_seconds": self.input_startup_seconds,
                 "eval_examples_per_process": self.eval_examples,
+                **self.calls,
                 "first_step_seconds": self.first_step_seconds if self.images_seen else None,
                 "first_step_finished": self.first_step_finished,
             },

@@ -289,3 +289,25 @@ def cost_vs_size_plot(rows: list[dict], path: Path, title: str) -> Path:
             ax.legend(fontsize=7, loc="best")
     fig.suptitle(title + "  (orange: overhead-bound, blue: compute-bound)", fontsize=10)
     return _save(fig, path)
+
+
+def loop_overhead_plot(rows: list[dict], path: Path) -> Path:
+    """Per (case, data): fit's ms per step beside the bare loop's, for each way of feeding the
+    step (jaxcnn bench-loop)."""
+    groups = list(dict.fromkeys((r["case"], r["data"]) for r in rows))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
+    for ax, (case, data) in zip(axes[0], groups, strict=True):
+        mine = [r for r in rows if (r["case"], r["data"]) == (case, data)]
+        x = np.arange(len(mine))
+        ax.bar(x - 0.2, [r["bare_ms_per_step"] for r in mine], 0.4, color="tab:grey", label="bare loop")
+        ax.bar(x + 0.2, [r["fit_ms_per_step"] for r in mine], 0.4, color="tab:blue", label="fit")
+        for i, r in enumerate(mine):
+            ax.annotate(f"{100 * r['fit_over_bare']:+.0f}%", (i + 0.2, r["fit_ms_per_step"]), ha="center",
+                        va="bottom", fontsize=8)  # fmt: skip
+        ax.set_xticks(
+            x, [r["mode"] if r["steps_per_call"] == 1 else f"{r['mode']}={r['steps_per_call']}" for r in mine]
+        )
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"{case}, {data} ({mine[0]['devices']} device(s), batch {mine[0]['batch_size']})")
+        ax.legend()
+    return _save(fig, path)

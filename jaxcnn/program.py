@@ -14,12 +14,19 @@ compiled programs one optimizer step runs and how often, which is all a cost rea
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from jax.sharding import Mesh
 
+from jaxcnn import compile_cache
+from jaxcnn.compiling import ProgramTiming, compile_with
 from jaxcnn.config import ModelConfig, OptimConfig, UpdateConfig
+from jaxcnn.data.on_device import OnDevice
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import ParamPlacement
 from jaxcnn.sharding.placement import BatchPlacement
@@ -43,6 +50,74 @@ class ProgramSpec:
     update: UpdateConfig
     compiler_options: dict | None  # None: jaxcnn.compiling's for the platform
     image_dtype: str = "float32"  # the batches' pixels: float32 in [0, 1], or uint8 scaled in the step
+    on_device: OnDevice | None = None  # the training set held on the devices: steps gather their batches there
+    steps_per_call: int = 1  # optimizer steps per compiled call (the calls compiled with the program)
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One compiled call the training loop makes: `steps` optimizer steps, their batches
+    stacked from the host or, `on_device`, gathered from the training data on the devices."""
+
+    run: Any  # (state, *inputs) -> (state, metrics): each metric [steps] when `stacked`, else a scalar
+    steps: int
+    on_device: bool
+    stacked: bool = True
+
+
+class StepCalls:
+    """The calls a program's loop may make, by (steps, on_device), each compiled the first
+    time it is asked for -- or ahead, on a thread (`compile_ahead`), while the loop runs
+    others: the loop's automatic steps per call is chosen once the first steps are timed."""
+
+    def __init__(self, lower: Callable[[int, bool], Any], options: dict | None, ready: dict[tuple, StepCall]):
+        self._lower, self._options = lower, options  # (steps, on_device) -> jax.stages.Lowered
+        self._calls = dict(ready)
+        self._pending: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+        self.timings: list[ProgramTiming] = []  # of the calls compiled after the build
+
+    def get(self, steps: int, on_device: bool) -> StepCall:
+        """The call, compiled now if it is not yet (or waited for, if on its way)."""
+        key = (steps, on_device)
+        with self._lock:
+            if key in self._calls:
+                return self._calls[key]
+            pending = self._pending.get(key)
+        return pending.result() if pending else self._compile(key)
+
+    def ready(self, steps: int, on_device: bool) -> bool:
+        return (steps, on_device) in self._calls
+
+    def compile_ahead(self, steps: int, on_device: bool) -> None:
+        """Start compiling the call on a thread (XLA does not hold the interpreter)."""
+        key = (steps, on_device)
+        with self._lock:
+            if key in self._calls or key in self._pending:
+                return
+            pool = ThreadPoolExecutor(1, thread_name_prefix="jaxcnn-compile")
+            self._pending[key] = pool.submit(self._compile, key)
+            pool.shutdown(wait=False)
+
+    def _compile(self, key: tuple) -> StepCall:
+        start = time.perf_counter()
+        lowered = self._lower(*key)
+        lowered_at = time.perf_counter()
+        with compile_cache.watch() as seen:
+            run = compile_with(lowered, self._options)
+        done = time.perf_counter()
+        call = StepCall(run, key[0], key[1])
+        cached = seen["hit"] if compile_cache.in_use() is not None else None
+        with self._lock:
+            self._calls[key] = call
+            self._pending.pop(key, None)
+            self.timings.append(ProgramTiming(call_name(*key), lowered_at - start, done - lowered_at, cached))
+        return call
+
+
+def call_name(steps: int, on_device: bool) -> str:
+    """A call's name in compile timings: "train/device/32"."""
+    return "train/" + ("device/" if on_device else "") + str(steps)
 
 
 class CompiledPart(NamedTuple):
@@ -91,6 +166,7 @@ class Program:
     abstract_state: Any = None  # ShapeDtypeStructs with shardings: what a checkpoint restores into
     state_shardings: Any = None
     averaging: Any = None  # local SGD: a jaxcnn.steps.ReplicaAveraging, run after each step; else None
+    calls: StepCalls | None = None  # several steps per call, data on the devices (SPMD); None: train_step alone
     # (state) -> jaxcnn.saved_model.ModelVariables: the whole model's arrays by path, whatever the layout
     model_variables: Any = None
     record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)

@@ -107,6 +107,7 @@ def fit_in_run_dir(
     checkpointer: Checkpointer | None,
     stop: StopRequests,
     resumable: bool,
+    device_data: tuple | None = None,
 ) -> Outcome:
     """Restore (--resume), make the run directory, fit with TensorBoard logging and saves
     when stopped (`resumable`: a pipeline's state lives per stage and is not saved yet)."""
@@ -142,7 +143,7 @@ def fit_in_run_dir(
             programs, state, loader, test_set, train_config, progress=not config.output.quiet and lead,
             checkpointer=checkpointer, resume=resume, skip_nonfinite=config.update.skip_nonfinite,
             on_epoch=tensorboard.epoch if tensorboard else None, stop=stop,
-            interrupt_saves=[keep_on_interrupt] if keep_on_interrupt else [],
+            interrupt_saves=[keep_on_interrupt] if keep_on_interrupt else [], device_data=device_data,
         )  # fmt: skip
         return Outcome(result)
     except Interrupted as stop:
@@ -160,7 +161,7 @@ def report_stop(config: RunConfig, run_dir: Path, outcome: Outcome, stop: StopRe
     steps = outcome.result.steps
     if not outcome.saved_to:
         print(f"{PROG}: stopped ({stop.reason}) at step {steps}: results so far in {run_dir}; a pipeline run's "
-              "state cannot be saved yet, so it cannot be resumed", file=sys.stderr)  # fmt: skip
+              "state cannot be saved yet, so it cannot be resumed; exit 1", file=sys.stderr)  # fmt: skip
         return
     again = ["jaxcnn", "train", "--resume", "--run-name", run_dir.name, "--results-dir", str(run_dir.parent)]
     if config.checkpoint.checkpoint_dir:

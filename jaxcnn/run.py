@@ -26,13 +26,14 @@ from jaxcnn.analysis.lint import format_report, lint_program
 from jaxcnn.build import build_programs
 from jaxcnn.data import Augment, Loader, load_datasets
 from jaxcnn.data.crops import RandomResizedCrop
-from jaxcnn.distributed import initialize, launch_from
+from jaxcnn.data.on_device import choose, placed
+from jaxcnn.distributed import Launch, initialize, launch_from
 from jaxcnn.recovery import PROG, fit_in_run_dir, open_checkpoints, report_stop, resolve_resume
 from jaxcnn.run_config import RESUME_AUTO, RunConfig
 from jaxcnn.run_record import run_record, write_results
 from jaxcnn.saved_model import save_model
 from jaxcnn.sharding import format_mesh, mesh_for, simulate_devices_for
-from jaxcnn.stopping import stop_requests
+from jaxcnn.stopping import INTERRUPTED_EXIT_CODE, StopRequests, stop_requests
 
 
 def train(config: RunConfig) -> dict:
@@ -43,11 +44,18 @@ def train(config: RunConfig) -> dict:
     at a step every process agrees on, writes the results so far and exits 75 (Ctrl-C: 130).
     Under --resume auto a finished run is left as it is: its record is returned."""
     started = time.perf_counter()
+    launch = launch_from(config.cluster)  # reads the launcher's variables, not JAX
+    # a stop (SIGTERM, Ctrl-C) asked while the data loads or the step compiles is kept for the first step
+    with stop_requests(launch.multi_process, config.checkpoint.stop_signal) as stop:
+        return _train(config, launch, stop, started)
+
+
+def _train(config: RunConfig, launch: Launch, stop: StopRequests, started: float) -> dict:
     data, output = config.data, config.output
     results_dir = results.ensure_writable_dir(output.results_dir)
     if output.run_name:  # the default name needs the mesh; this one can be checked before anything slow
         if _finished_under_auto(config, results_dir / output.run_name):
-            return _finished_record(results_dir / output.run_name)
+            return _finished_record(results_dir / output.run_name, launch)
         config = resolve_resume(config, results_dir / output.run_name)
         _check_run_dir(config, results_dir / output.run_name)
     # the test set stays on disk: each process reads (decodes) only its rows of it (fit.eval_share)
@@ -55,9 +63,9 @@ def train(config: RunConfig) -> dict:
     augment = RandomResizedCrop() if data.augment == "imagenet" else Augment(data.augment_shift, data.augment_flip)
     loader = Loader(train_set, augment=augment, workers=data.workers_for(train_set.in_memory), depth=data.prefetch)
 
-    launch = launch_from(config.cluster)
     simulate_devices_for(config.parallel, launch.num_processes, config.cluster.local_devices)
     initialize(launch)  # jax.distributed, before any device is touched
+    stop.join()
     lead = jax.process_index() == 0
     if launch.launcher != "single" or launch.local_devices:  # every process: each chose its own devices
         print(f"{PROG}: {launch.describe()}", flush=True)
@@ -67,18 +75,29 @@ def train(config: RunConfig) -> dict:
     default_name = f"{config.model.name}-{layout.name}-{format_mesh(dict(mesh.shape)).replace(',', '_')}"
     run_dir = results_dir / (output.run_name or default_name)
     if _finished_under_auto(config, run_dir):
-        return _finished_record(run_dir)
+        return _finished_record(run_dir, launch)
     config = resolve_resume(config, run_dir)
     _check_run_dir(config, run_dir)
     checkpointer = open_checkpoints(config.checkpoint, run_dir)
 
     train_config = _batch_chosen(config, layout, mesh, train_set)
+    if data.data_on_device == "on" and not train_set.in_memory and data.augment != "imagenet":
+        train_set = train_set.loaded()  # an image folder, decoded once to go on the devices
+        loader = dataclasses.replace(loader, dataset=train_set)
+    on_device, on_device_said = choose(data.data_on_device, train_set, layout, mesh, augment, train_config.seed)
+    per_call = train_config.steps_per_call
+    if isinstance(per_call, int) and on_device:  # a call holds at most an epoch's steps
+        per_call = min(per_call, len(train_set) // max(train_config.batch_sizes))
     programs = build_programs(
         config.model, config.optim, layout, mesh, train_set.image_shape, train_config, len(train_set),
         update=config.update, microbatches=config.parallel.microbatches, stage_split=config.parallel.stage_split,
-        image_dtype=train_set.images.dtype.name,
+        image_dtype=train_set.images.dtype.name, on_device=on_device,
+        steps_per_call=per_call if isinstance(per_call, int) else 1,
     )  # fmt: skip
     program = programs[train_config.batch_size]
+    device_data = placed(train_set, on_device, layout, mesh) if on_device else None
+    if lead:
+        print(f"{PROG}: training data on the devices: {on_device_said}; steps per call: {per_call}")
     if program.description and lead:
         print(program.description)
     if output.print_shardings and lead:
@@ -86,27 +105,25 @@ def train(config: RunConfig) -> dict:
 
     if launch.multi_process:  # every process has checked the run directory before the first makes it
         multihost_utils.sync_global_devices("jaxcnn: run directory checked")
-    with stop_requests(launch.multi_process, config.checkpoint.stop_signal) as stop:  # through the model's saving
-        try:
-            outcome = fit_in_run_dir(
-                config, programs, train_config, loader, test_set, run_dir, checkpointer, stop,
-                resumable=not layout.stage_axis,
-            )  # fmt: skip
-            record = run_record(config, programs, train_config, outcome.result, loader, test_set)
-            finished = outcome.result.extra["first_step_finished"]
-            record["time_to_first_step_seconds"] = finished - started if finished is not None else None
-            record["run_dir"] = str(run_dir)
-            record["interrupted_at_step"] = outcome.result.steps if outcome.interrupted else None
-            record["stopped_by"] = stop.reason if outcome.interrupted else None
-            record["launch"] = launch.as_record()
-            if not outcome.interrupted:
-                save_model(run_dir / runs.MODEL, program.model_variables(outcome.result.state))  # a collective
-                if lead:
-                    shutil.rmtree(run_dir / runs.CHECKPOINTS, ignore_errors=True)  # the model replaces a stop's state
-        except BaseException:
-            if lead and output.overwrite:  # (never with --resume: refused)
-                runs.undo_overwrite(run_dir)  # the run it was to replace comes back
-            raise
+    try:
+        outcome = fit_in_run_dir(
+            config, programs, train_config, loader, test_set, run_dir, checkpointer, stop,
+            resumable=not layout.stage_axis, device_data=device_data,
+        )  # fmt: skip
+        record = run_record(config, programs, train_config, outcome.result, loader, test_set)
+        finished = outcome.result.extra["first_step_finished"]
+        record["time_to_first_step_seconds"] = finished - started if finished is not None else None
+        record["run_dir"] = str(run_dir)
+        record["interrupted_at_step"] = outcome.result.steps if outcome.interrupted else None
+        record["stopped_by"] = stop.reason if outcome.interrupted else None
+        record["launch"] = launch.as_record()
+        record["data_on_device"] = on_device_said
+        if not outcome.interrupted:
+            save_model(run_dir / runs.MODEL, program.model_variables(outcome.result.state))  # a collective
+    except BaseException:
+        if lead and output.overwrite:  # (never with --resume: refused)
+            runs.undo_overwrite(run_dir)  # the run it was to replace comes back
+        raise
     record["wall_seconds"] = time.perf_counter() - started
     if lead and (outcome.saved_to or not outcome.interrupted):  # the new run finished, or can be continued
         runs.finish_overwrite(run_dir)
@@ -114,11 +131,13 @@ def train(config: RunConfig) -> dict:
         write_results(config, record, outcome.result, test_set, run_dir, outcome.interrupted)
         if outcome.interrupted:
             report_stop(config, run_dir, outcome, stop)
+        else:  # the model and results replace a stop's state, now that both are written
+            shutil.rmtree(run_dir / runs.CHECKPOINTS, ignore_errors=True)
     elif outcome.interrupted:  # each process says where it stopped: the same step on every one
         print(f"{PROG}: process {jax.process_index()} stopped ({stop.reason}) at step {outcome.result.steps}",
               file=sys.stderr, flush=True)  # fmt: skip
-    if outcome.interrupted:
-        sys.exit(stop.exit_code)
+    if outcome.interrupted:  # 75 tells a requeue the state is saved; with nothing saved, a plain failure
+        sys.exit(stop.exit_code if outcome.saved_to or stop.exit_code == INTERRUPTED_EXIT_CODE else 1)
     return record
 
 
@@ -126,10 +145,10 @@ def _finished_under_auto(config: RunConfig, run_dir) -> bool:
     return config.checkpoint.resume == RESUME_AUTO and (run_dir / runs.MODEL).is_dir()
 
 
-def _finished_record(run_dir) -> dict:
+def _finished_record(run_dir, launch: Launch) -> dict:
     """--resume auto on a run that has finished: nothing to do (a job requeued after its end)."""
     record = runs.open_run(run_dir).record
-    if jax.process_index() == 0:
+    if launch.process_id == 0:  # (JAX has not started)
         print(f"{PROG}: run {run_dir} has finished (its model is in {run_dir / runs.MODEL}); nothing to do")
     return record
 

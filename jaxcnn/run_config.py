@@ -28,7 +28,8 @@ from jaxcnn.errors import UserError
 BUNDLED_DATASET = "digits"  # the CSVs in data/: the default --dataset
 STOP_SIGNALS = ("USR1", "USR2")  # --stop-signal: besides SIGTERM and Ctrl-C (jaxcnn.stopping)
 DEFAULT_SIMULATED_DEVICES = 8  # on a CPU-only machine, when neither the mesh nor --host-devices says
-AUGMENTS = ("none", "imagenet")  # --augment: imagenet is jaxcnn.data.crops' recipe for image folders
+AUGMENTS = ("none", "imagenet")
+DATA_ON_DEVICE = ("auto", "on", "off")  # --augment: imagenet is jaxcnn.data.crops' recipe for image folders
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class DataConfig:
     augment_flip: bool = False
     input_workers: int | None = None  # None: 0 for data in memory, one per core for files
     prefetch: int = 2
+    data_on_device: str = "auto"  # one of DATA_ON_DEVICE: the training set held on the devices (jaxcnn.data.on_device)
 
     def __post_init__(self):
         if (self.input_workers is not None and self.input_workers < 0) or self.prefetch < 1:
@@ -62,6 +64,8 @@ class DataConfig:
             raise UserError("--channels and --synthetic-size must be positive integers")
         if self.augment_shift < 0:
             raise UserError(f"--augment-shift must be >= 0, got {self.augment_shift}")
+        if self.data_on_device not in DATA_ON_DEVICE:
+            raise UserError(f"--data-on-device {self.data_on_device!r}: use one of {', '.join(DATA_ON_DEVICE)}")
         if self.augment not in AUGMENTS:
             raise UserError(f"unknown --augment {self.augment!r}; use one of {', '.join(AUGMENTS)}")
         if self.augment == "imagenet" and (self.augment_shift or self.augment_flip):

@@ -67,6 +67,10 @@ def run_record(config: RunConfig, programs: dict, train_config, outcome: FitResu
         "input_rows_per_process": len(program.train_input.share.rows),  # of each global batch
         "input_startup_seconds": outcome.extra["input_startup_seconds"],  # the first batch: workers starting
         "eval_examples_per_process": outcome.extra["eval_examples_per_process"],  # test examples process 0 reads
+        "steps_per_call": outcome.extra.get("steps_per_call"),  # what the run ended with (auto: chosen by timing)
+        # what --steps-per-call auto read: the host's seconds a call (inputs, dispatch) and the devices' a step
+        "host_seconds_per_call": outcome.extra.get("host_seconds_per_call"),
+        "step_seconds": outcome.extra.get("step_seconds"),
         "data": loader.dataset.source,
         "test_data": test_set.source,
         "image_shape": list(loader.dataset.image_shape),

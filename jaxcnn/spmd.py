@@ -19,9 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcnn import platform_choices
 from jaxcnn.compiling import Compilation, kernel_record
+from jaxcnn.data.on_device import batch_axes
+from jaxcnn.errors import UserError
 from jaxcnn.models import build_model, resolve_kernels
 from jaxcnn.optim import make_optimizer, optimizer_shardings
-from jaxcnn.program import Anatomy, CompiledPart, Program, ProgramSpec
+from jaxcnn.program import Anatomy, CompiledPart, Program, ProgramSpec, StepCall, StepCalls, call_name
 from jaxcnn.saved_model import ModelVariables, flat_variables
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import (
@@ -45,6 +47,7 @@ from jaxcnn.steps import (
     split_model,
     update_rule,
 )
+from jaxcnn.steps.calls import steps_in_one_call, steps_on_device_data
 
 
 def build_spmd_program(spec: ProgramSpec) -> Program:
@@ -140,11 +143,51 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
         )  # fmt: skip
     if spec.with_init:
         compilation.lower("init", jax.jit(init, out_shardings=state_shardings))
+
+    # --- several steps per call; batches gathered from data on the devices ---------------
+    unroll = platform == "cpu"  # jaxcnn.steps.calls.over_steps: XLA:CPU's loops run a step slower
+
+    def lower_call(steps: int, on_device: bool):
+        if on_device:
+            stored = spec.on_device
+            held = NamedSharding(mesh, P(batch_axes(layout, mesh) or None))
+            inputs = (
+                jax.ShapeDtypeStruct((stored.rows, *stored.image_shape), jnp.dtype(stored.dtype), sharding=held),
+                jax.ShapeDtypeStruct((stored.rows,), jnp.int32, sharding=held),
+                jax.ShapeDtypeStruct((2 * (stored.size // batch_size), batch_size + 3), jnp.int32, sharding=replicated),
+                jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+            )
+            call = steps_on_device_data(
+                train_step, steps, mesh, batch_axes(layout, mesh), stored, image_sharding, vector_sharding, unroll
+            )
+        else:
+            inputs = tuple(
+                jax.ShapeDtypeStruct(
+                    (steps, *a.shape), a.dtype, sharding=NamedSharding(mesh, P(None, *a.sharding.spec))
+                )
+                for a in (images, labels)
+            )
+            call = steps_in_one_call(train_step, steps, unroll)
+        jitted = jax.jit(
+            call, in_shardings=(state_shardings, *(a.sharding for a in inputs)),
+            out_shardings=(state_shardings, replicated), donate_argnums=0,
+        )  # fmt: skip
+        return jitted.lower(abstract_state, *inputs)
+
+    if replicas and (spec.steps_per_call > 1):
+        raise UserError("--steps-per-call applies to every update rule but local SGD (its replicas meet between steps)")
+    ahead = [(1, True)] if spec.on_device else []
+    ahead += [(spec.steps_per_call, bool(spec.on_device))] if spec.steps_per_call > 1 else []
+    for steps, on_device in ahead:
+        compilation.add(call_name(steps, on_device), lower_call(steps, on_device))
     step_options = (
         platform_choices.step_compiler_options(platform) if spec.compiler_options is None else spec.compiler_options
     )
     compiled = compilation.compile({"init": platform_choices.init_compiler_options(platform)}, default=step_options)
     lower_seconds = time.perf_counter() - start - compilation.seconds
+    calls = StepCalls(
+        lower_call, step_options, {key: StepCall(compiled[call_name(*key)], *key) for key in ahead}
+    )  # fmt: skip
 
     def model_variables(state: TrainState) -> ModelVariables:
         params, stats = evaluated_variables(state, bool(replicas))  # local SGD: the replicas' average, as evaluated
@@ -170,6 +213,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
         abstract_state=abstract_state,
         state_shardings=state_shardings,
         averaging=ReplicaAveraging(compiled["average"], update.sync_every) if replicas else None,
+        calls=calls,
         model_variables=model_variables,
         compile_timings=compilation.timings,
     )

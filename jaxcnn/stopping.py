@@ -43,6 +43,17 @@ class StopRequests:
         self.received: list[signal.Signals] = []  # what this process was sent
         self._agreed = False
         self._calls = 0
+        self.joined = False  # jax.distributed started: JAX's preemption notifier has SIGTERM
+
+    def join(self) -> None:
+        """Call once jax.distributed has started (several processes): from now JAX's
+        notifier takes SIGTERM and tells the other processes; a stop asked before it is
+        passed on to it."""
+        if not self.multi_process or self.joined:
+            return
+        self.joined = True
+        if self.received:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def check(self) -> bool:
         """Stop here? Every process calls this once per step boundary, the same number of
@@ -77,14 +88,15 @@ class StopRequests:
 @contextlib.contextmanager
 def stop_requests(multi_process: bool, extra: str | None = None) -> Iterator[StopRequests]:
     """While open, SIGTERM, SIGINT and `extra` ask the run to stop at the next step boundary
-    (outside the main thread, where no handler can be set: nothing is caught)."""
+    (outside the main thread, where no handler can be set: nothing is caught). Open it
+    before anything slow: a stop asked while the data loads or the step compiles is kept.
+    With several processes, `join()` after jax.distributed starts: JAX's notifier then
+    replaces this handler for SIGTERM."""
     stop = StopRequests(multi_process)
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    numbers = [signal.SIGINT, *([signal_number(extra)] if extra else [])]
-    if not multi_process:
-        numbers.append(signal.SIGTERM)  # with several processes JAX's preemption notifier has SIGTERM
+    numbers = [signal.SIGINT, signal.SIGTERM, *([signal_number(extra)] if extra else [])]
 
     def handler(signum, frame):
         signum = signal.Signals(signum)
@@ -97,7 +109,7 @@ def stop_requests(multi_process: bool, extra: str | None = None) -> Iterator[Sto
             return
         again = " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
         print(f"\n{signum.name}: stopping at the next step boundary to save{again}", file=sys.stderr, flush=True)
-        if multi_process:  # every process must stop at the same step: JAX's notifier tells the others
+        if stop.joined:  # every process must stop at the same step: JAX's notifier tells the others
             os.kill(os.getpid(), signal.SIGTERM)
 
     previous = {number: signal.signal(number, handler) for number in numbers}

@@ -162,6 +162,38 @@ def test_mpirun_and_torchrun_give_each_process_its_devices(launcher_env, monkeyp
     assert captured_initialize(monkeypatch, launch)["local_device_ids"] == devices
 
 
+@pytest.mark.parametrize(
+    ("inner", "launcher", "rank", "devices"),
+    [
+        (torchrun_env(13), "torchrun", 13, (5,)),  # srun, one task per node, starting torchrun
+        (mpirun_env(13), "openmpi", 13, (5,)),  # mpirun inside the sbatch script
+    ],
+    ids=["torchrun-under-srun", "mpirun-inside-sbatch"],
+)
+def test_a_launcher_inside_slurm_is_the_one_that_counts(launcher_env, inner, launcher, rank, devices):
+    """torchrun under srun and mpirun in a batch script also see SLURM's variables, which
+    describe 2 tasks (one per node), not the 16 processes: the innermost launcher decides."""
+    options = sbatch_options(CLUSTERS / "slurm-task-per-node.sbatch")
+    launcher_env(slurm_task_env(options, 1, 0) | inner)
+    launch = launch_from(ClusterConfig())
+    assert (launch.launcher, launch.num_processes, launch.process_id) == (launcher, 16, rank)
+    assert launch.local_devices == devices, launch.devices_reason
+
+
+@pytest.mark.parametrize(
+    ("args", "devices"),
+    [
+        ((2, 1, 4, None, 8), None),  # 2 tasks, each bound to 4 of the node's 8: each takes its 4
+        ((2, 1, 8, None, 8), (4, 5, 6, 7)),  # unbound: local rank 1's half
+        ((None, 3, 8), (3,)),  # processes on the host unknown: JAX's rule, GPU of the local rank
+        ((None, 3, 2), None),  # ... unless that GPU cannot be seen: bound to its own
+    ],
+    ids=["bound-4-of-8", "shared-8", "unknown-count", "unknown-count-bound"],
+)
+def test_bound_and_shared_gpus_are_told_apart(args, devices):
+    assert choose_local_devices(*args)[0] == devices
+
+
 def test_flags_and_jax_local_device_ids_override_the_launchers_choice(launcher_env, monkeypatch):
     options = sbatch_options(CLUSTERS / "slurm-task-per-gpu.sbatch")
     launcher_env(slurm_task_env(options, 0, 5))

@@ -26,6 +26,7 @@ COMMANDS = {
     "bench": "benchmark one train step: median time, images/s, compile time, MFU",
     "prepare": "store a folder or dataset once as pre-resized shards (raw uint8 or small JPEG) that --data reads",
     "bench-input": "the input pipeline alone: images/s per core for each source and worker count; cores for a rate",
+    "bench-loop": "the training loop's cost beyond the compiled step: fit against a bare loop, per way of feeding it",
 }
 
 

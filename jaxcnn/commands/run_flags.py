@@ -31,8 +31,29 @@ from jaxcnn.config import (
     OptimConfig,
     TrainConfig,
 )
-from jaxcnn.run_config import AUGMENTS, DEFAULT_SIMULATED_DEVICES, RESUME_AUTO, STOP_SIGNALS, ClusterConfig
+from jaxcnn.run_config import (
+    AUGMENTS,
+    DATA_ON_DEVICE,
+    DEFAULT_SIMULATED_DEVICES,
+    RESUME_AUTO,
+    STOP_SIGNALS,
+    ClusterConfig,
+    DataConfig,
+)
 from jaxcnn.stopping import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE
+
+
+def steps_per_call(text: str) -> int | str:
+    """--steps-per-call: a positive integer, or auto."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {text!r}")
+    return value
 
 
 def resume_mode(text: str) -> str:
@@ -125,6 +146,11 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
         "(default: 0 for data in memory, one per CPU core for an image folder)",
     )  # fmt: skip
     g.add_argument("--prefetch", type=int, default=2, help="batches prepared ahead of the step (default %(default)s)")
+    g.add_argument(
+        "--data-on-device", choices=DATA_ON_DEVICE, default=DataConfig().data_on_device,
+        help="hold the training set on the devices, each step gathering its examples there (auto: when it is in "
+        "memory and a device's share fits a quarter of its memory; default %(default)s)",
+    )  # fmt: skip
 
 
 def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +197,11 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=int, default=defaults_t.epochs)
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     g.add_argument("--seed", type=int, default=defaults_t.seed)
+    g.add_argument(
+        "--steps-per-call", type=steps_per_call, default=defaults_t.steps_per_call, metavar="K|auto",
+        help="optimizer steps in one compiled call (auto: 1, or, with the data on the devices and a short step, "
+        "enough steps for a call of about 50 ms; default %(default)s)",
+    )  # fmt: skip
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults_o.name)
     g.add_argument("--learning-rate", "--lr", type=float, default=defaults_o.learning_rate, help="peak learning rate")
     g.add_argument("--schedule", choices=SCHEDULES, default=defaults_o.schedule)

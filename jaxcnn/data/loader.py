@@ -27,7 +27,7 @@ from absl import flags
 
 from jaxcnn.data.sources import Dataset
 from jaxcnn.errors import UserError
-from jaxcnn.sharding.placement import BatchPlacement, BatchShare
+from jaxcnn.sharding.placement import BatchPlacement, BatchShare, StackedPlacement
 
 
 def epoch_order(size: int, epoch: int, seed: int) -> np.ndarray:
@@ -229,8 +229,12 @@ class Batches:
     pipeline starting (its worker processes too): `startup_seconds`, not a stall.
     """
 
-    def __init__(self, iterator, steps: Schedule, placements: Sequence[BatchPlacement], first_step: int):
+    def __init__(
+        self, iterator, steps: Schedule, placements: Sequence[BatchPlacement], first_step: int, steps_per_call: int = 1
+    ):
         self._iterator, self._steps, self._placements = iterator, steps, placements
+        self._stacked = [StackedPlacement(p, steps_per_call) for p in placements] if steps_per_call > 1 else None
+        self.steps_per_call = steps_per_call
         self._next_step = first_step  # the next step the loop takes
         self._waits: list[tuple[int, float, float]] = []  # (steps dispatched before it, start, end)
         self._finished: dict[int, float] = {}  # step count -> when that many had finished
@@ -247,36 +251,57 @@ class Batches:
 
     def next(self) -> tuple[jax.Array, jax.Array]:
         """The next step's (images, labels), placed as its step takes them; the wait timed."""
+        steps, _, batch = self.next_call()
+        if steps != 1:
+            raise RuntimeError(f"the loader stacks {steps} steps a call here: take them with next_call()")
+        return batch
+
+    def next_call(self) -> tuple[int, int, tuple[jax.Array, ...]]:
+        """(steps in the next call, twice -- the steps it runs, the steps its program holds --,
+        their batches placed as the call takes them): K steps stacked [K, B, ...] while an
+        epoch has K left, then one by one; the wait timed."""
         if self._next_step >= len(self._steps):
             raise RuntimeError(f"the loader has no step {self._next_step}: the run has {len(self._steps)}")
         start = time.perf_counter()
-        batch = self._placed.get()
+        item = self._placed.get()
         end = time.perf_counter()
-        if isinstance(batch, BaseException):  # the reader's error (a corrupt file...), raised where it is read
-            raise batch
+        if isinstance(item, BaseException):  # the reader's error (a corrupt file...), raised where it is read
+            raise item
         if self.startup_seconds is None:
             self.startup_seconds = end - start
         else:
             self._waits.append((self._dispatched, start, end))
             self.wait_seconds += end - start
-        self._next_step += 1
-        return batch
+        steps, batch = item
+        self._next_step += steps
+        return steps, steps, batch
 
     def dispatched(self, outputs) -> None:
-        """`outputs` of the step just dispatched (any of its arrays), for the stall's clock."""
+        """`outputs` of the call just dispatched (its metrics, or any of its arrays), for the
+        stall's clock."""
         self._dispatched += 1
-        self._watch.put((self._dispatched, outputs))
+        self._watch.put((self._dispatched, outputs["loss"] if isinstance(outputs, dict) else outputs))
 
     def _read_ahead(self) -> None:
-        """The reader thread: every step's rows from the pipeline, placed on the devices."""
+        """The reader thread: every call's rows from the pipeline, placed on the devices."""
         step = self._next_step
         try:
             while step < len(self._steps) and not self._closing.is_set():
-                got, images, labels = next(self._iterator)
-                if got != step:  # a restored loader must stand exactly where its run stopped
-                    raise RuntimeError(f"the loader gave step {got} where step {step} was due")
-                self._hand_over(self._placements[self._steps[step].epoch].place_rows(images, labels))
-                step += 1
+                epoch = self._steps[step].epoch
+                left = int(self._steps.starts[epoch + 1]) - step
+                count = self.steps_per_call if left >= self.steps_per_call > 1 else 1
+                rows = []
+                for expected in range(step, step + count):
+                    got, images, labels = next(self._iterator)
+                    if got != expected:  # a restored loader must stand exactly where its run stopped
+                        raise RuntimeError(f"the loader gave step {got} where step {expected} was due")
+                    rows.append((images, labels))
+                if count == 1:
+                    placed = self._placements[epoch].place_rows(*rows[0])
+                else:
+                    placed = self._stacked[epoch].place_rows(*(np.stack(part) for part in zip(*rows, strict=True)))
+                self._hand_over((count, placed))
+                step += count
         except BaseException as err:  # handed to the loop, which raises it
             self._hand_over(err)
 
@@ -351,11 +376,12 @@ class Loader:
         return len(self.dataset)
 
     def batches(
-        self, epoch_steps: Sequence[int], placements: Sequence[BatchPlacement], seed: int, position: dict | None = None
-    ) -> Batches:
+        self, epoch_steps: Sequence[int], placements: Sequence[BatchPlacement], seed: int, position: dict | None = None,
+        steps_per_call: int = 1,
+    ) -> Batches:  # fmt: skip
         """The run's batches, placed: epoch e has `epoch_steps[e]` steps, whose step takes its
         batch as `placements[e]` says; from `position` (a checkpoint's `Batches.position()`;
-        None: the first step) to the last."""
+        None: the first step) to the last; `steps_per_call` steps stacked a call."""
         _accept_grain_defaults()
         first_step = position["next_step"] if position else 0
         steps = Schedule(epoch_steps)
@@ -376,7 +402,7 @@ class Loader:
                 grain.MultiprocessingOptions(num_workers=self.workers, per_worker_buffer_size=self.depth),
                 worker_init_fn=functools.partial(_exit_with_parent, os.getpid()),
             )
-        return Batches(iter(pipeline), steps, placements, first_step)
+        return Batches(iter(pipeline), steps, placements, first_step, steps_per_call)
 
 
 def _exit_with_parent(parent: int, worker_index: int, worker_count: int) -> None:

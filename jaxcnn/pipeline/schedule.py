@@ -76,13 +76,16 @@ class GPipe:
     group_images: Any  # compiled: global batch -> [M, micro, ...], each micro-batch split over data
     group_labels: Any
     eval_tail: Any  # compiled: (logits, labels, mask) -> (loss_sum, correct_sum, predictions)
-    # One program at a time: XLA:CPU's cross-process collectives (gloo) fail with a "collective
+    # One computation at a time -- every program, transfer and eager op finished before the
+    # next starts: XLA:CPU's cross-process collectives (gloo) fail with a "collective
     # mismatch" when two programs on different device sets run theirs at once (seen on 2
     # processes x 2 CPU devices); GPUs' (NCCL: a communicator per device set) do not.
     serial: bool = False
 
     def _run(self, program, *args):
-        out = program(*args)
+        return self._done(program(*args))
+
+    def _done(self, out):
         if self.serial:
             jax.block_until_ready(out)
         return out
@@ -103,8 +106,10 @@ class GPipe:
     def train_step(self, state: PipelineState, images, labels):
         programs, m, n, rep, mbs = self.programs, self.microbatches, self.stages, self.replicated, self.indices
         images, labels = self._run(self.group_images, images), self._run(self.group_labels, labels)
-        step_key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
-        keys = [to_stage(step_key, r) for r in rep]
+        step_key = self._done(
+            jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
+        )
+        keys = self._done([to_stage(step_key, r) for r in rep])
         stats = [st.stats for st in state.stages]
         inputs = [[None] * m for _ in range(n)]  # what stage s received for micro-batch i
         for t in range(m + n - 1):  # forward ticks
@@ -118,9 +123,9 @@ class GPipe:
                     y, stats[s] = self._run(
                         programs[s]["forward"], state.stages[s].params, stats[s], x, mbs[s][i], keys[s]
                     )
-                    inputs[s + 1][i] = to_stage(y, programs[s + 1]["x_sharding"])
-        grads = [jax.tree.map(jnp.zeros_like, st.params) for st in state.stages]
-        totals = (jax.device_put(np.float32(0), rep[-1]), jax.device_put(np.int32(0), rep[-1]))
+                    inputs[s + 1][i] = self._done(to_stage(y, programs[s + 1]["x_sharding"]))
+        grads = self._done([jax.tree.map(jnp.zeros_like, st.params) for st in state.stages])
+        totals = self._done((jax.device_put(np.float32(0), rep[-1]), jax.device_put(np.int32(0), rep[-1])))
         douts: list[list] = [[None] * m for _ in range(n)]
         for t in range(m + n - 1):  # backward ticks, last stage first
             for s in reversed(range(n)):
@@ -137,18 +142,18 @@ class GPipe:
                         programs[s]["backward"], p, stats[s], inputs[s][i], mbs[s][i], keys[s], douts[s][i], grads[s]
                     )
                 if s > 0:
-                    douts[s - 1][i] = to_stage(dx, programs[s - 1]["y_sharding"])
+                    douts[s - 1][i] = self._done(to_stage(dx, programs[s - 1]["y_sharding"]))
         new_stages = []
         for s, st in enumerate(state.stages):
             params, opt_state = self._run(programs[s]["update"], st.params, st.opt_state, grads[s])
             new_stages.append(StageState(params, stats[s], opt_state))
-        metrics = {"loss": totals[0], "accuracy": totals[1] / self.batch_size}
-        return PipelineState(state.step + 1, tuple(new_stages), state.rng), metrics
+        metrics = self._done({"loss": totals[0], "accuracy": totals[1] / self.batch_size})
+        return PipelineState(self._done(state.step + 1), tuple(new_stages), state.rng), metrics
 
     def eval_step(self, state: PipelineState, images, labels, mask):
         x = images
         for s, st in enumerate(state.stages):
             if s > 0:
-                x = to_stage(x, self.programs[s]["eval_x_sharding"])
+                x = self._done(to_stage(x, self.programs[s]["eval_x_sharding"]))
             x = self._run(self.programs[s]["eval"], st.params, st.stats, x)
         return self._run(self.eval_tail, x, labels, mask)

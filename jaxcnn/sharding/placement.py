@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 def process_rows(placements: list[tuple[NamedSharding, tuple[int, ...]]]) -> np.ndarray:
@@ -30,32 +30,35 @@ def process_rows(placements: list[tuple[NamedSharding, tuple[int, ...]]]) -> np.
 
 
 @functools.lru_cache(maxsize=256)  # asked at every step's placement
-def _rows_held(sharding: NamedSharding, shape: tuple[int, ...]) -> np.ndarray:
-    spans = [index[0].indices(shape[0]) for index in sharding.addressable_devices_indices_map(shape).values()]
+def _rows_held(sharding: NamedSharding, shape: tuple[int, ...], dim: int = 0) -> np.ndarray:
+    spans = [index[dim].indices(shape[dim]) for index in sharding.addressable_devices_indices_map(shape).values()]
     return np.unique(np.concatenate([np.arange(*span) for span in spans] or [np.zeros(0, np.int64)]))
 
 
 def to_global(
-    array: np.ndarray, sharding: NamedSharding, global_rows: int | None = None, rows: np.ndarray | None = None
-) -> jax.Array:
+    array: np.ndarray, sharding: NamedSharding, global_rows: int | None = None, rows: np.ndarray | None = None,
+    dim: int = 0,
+) -> jax.Array:  # fmt: skip
     """A global sharded array from this process's rows of it.
 
-    `array` holds the rows `rows` (ascending; None: 0, 1, ...) of a global array of
-    `global_rows` rows (None: `array` is the whole global array); each process hands JAX
-    just the rows its own devices own -- ascending, one block after another, as
-    `jax.make_array_from_process_local_data` reads them.
+    `array` holds the rows `rows` (ascending, along `dim`; None: 0, 1, ...) of a global
+    array of `global_rows` rows (None: `array` is the whole global array); each process
+    hands JAX just the rows its own devices own -- ascending, one block after another, as
+    `jax.make_array_from_process_local_data` reads them. (`dim` 1: K steps' batches
+    stacked, [K, rows, ...].)
     """
-    global_shape = (global_rows or len(array), *array.shape[1:])
-    own = _rows_held(sharding, global_shape)
+    global_shape = tuple(global_rows or array.shape[dim] if d == dim else n for d, n in enumerate(array.shape))
+    own = _rows_held(sharding, global_shape, dim)
     at = own if rows is None else np.searchsorted(rows, own)
-    if len(own) and (at[-1] >= len(array) or (rows is not None and not np.array_equal(rows[at], own))):
+    given = array.shape[dim]
+    if len(own) and (at[-1] >= given or (rows is not None and not np.array_equal(rows[at], own))):
         raise ValueError(f"this process's rows of the batch ({_spans(own)}) are not all among the rows given")
-    if len(at) == len(array):
+    if len(at) == given:
         local = array  # every row given is this sharding's
     elif len(at) and at[-1] - at[0] + 1 == len(at):
-        local = array[at[0] : at[-1] + 1]  # one span: a view
+        local = np.take(array, np.arange(at[0], at[-1] + 1), axis=dim) if dim else array[at[0] : at[-1] + 1]
     else:
-        local = array[at]
+        local = np.take(array, at, axis=dim)
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
 
@@ -115,3 +118,29 @@ class BatchPlacement:
     def place(self, *whole: np.ndarray) -> tuple[jax.Array, ...]:
         """A whole global batch, held by every process, as the step's global arrays."""
         return self.place_rows(*(self.share.take(a) for a in whole))
+
+
+@dataclass(frozen=True, eq=False)  # holds an array: compared by identity
+class StackedPlacement:
+    """How a call of `steps` steps takes their batches: each of `single`'s arguments with a
+    leading [steps] dimension, split as one step's is (jaxcnn.steps.calls)."""
+
+    single: BatchPlacement
+    steps: int
+
+    @property
+    def share(self) -> BatchShare:
+        return self.single.share
+
+    def place_rows(self, *rows: np.ndarray) -> tuple[jax.Array, ...]:
+        """Each argument's rows, [steps, this process's rows, ...], as the call's global arrays."""
+        own, single = self.single.share.rows, self.single
+        return tuple(
+            to_global(a, stacked(s.sharding), single.batch_size, own, dim=1)
+            for a, s in zip(rows, single.arrays, strict=True)
+        )
+
+
+def stacked(sharding: NamedSharding) -> NamedSharding:
+    """A step's argument's sharding with a leading steps dimension, unsplit."""
+    return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))

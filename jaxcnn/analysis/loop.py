@@ -1,0 +1,137 @@
+"""What the training loop costs beyond the compiled step: `fit` against a bare Python loop
+calling the same compiled call on inputs already placed, per step, for each way of
+feeding the step -- batches from the host one step a call (`host`), K steps a call
+(`host-K`), the training set on the devices (`device`), and that with K steps a call
+(`device-K`) -- measured in one process, the variants alternating round by round.
+
+    rows = measure_loop(case, modes=("host", "device-K"), steps=600, rounds=3, steps_per_call=16)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcnn.build import build_program
+from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
+from jaxcnn.data import Augment, Dataset, Loader
+from jaxcnn.data.on_device import choose, placed
+from jaxcnn.fit import fit
+from jaxcnn.sharding import build_mesh, get_layout
+from jaxcnn.sharding.placement import StackedPlacement
+
+MODES = ("host", "host-K", "device", "device-K")
+
+
+@dataclass(frozen=True)
+class LoopCase:
+    """A model, layout and batch on some data: one group of the benchmark's rows."""
+
+    name: str
+    model: ModelConfig
+    layout: str
+    mesh: dict
+    batch_size: int
+    data: Dataset
+    data_name: str
+    input_workers: int = 0
+
+
+def _program(case: LoopCase, on_device, steps_per_call: int, total_steps: int):
+    layout, mesh = (
+        get_layout(case.layout),
+        build_mesh(case.mesh, jax.devices()[: int(np.prod(list(case.mesh.values())))]),
+    )
+    return build_program(
+        case.model, OptimConfig(), layout, mesh, case.data.image_shape, case.batch_size, total_steps,
+        with_eval=False, on_device=on_device, steps_per_call=steps_per_call,
+        image_dtype=case.data.images.dtype.name,
+    )  # fmt: skip
+
+
+def _fit_ms(case: LoopCase, program, device_data, steps: int, per_call: int) -> float:
+    """`fit`'s steady-state milliseconds per step (its first call, compiling, left out)."""
+    config = TrainConfig(batch_size=case.batch_size, epochs=10**6, max_steps=steps, steps_per_call=per_call)
+    loader = Loader(case.data, workers=case.input_workers)
+    result = fit(program, program.init(), loader, None, config, progress=False, device_data=device_data)
+    return 1e3 * case.batch_size / result.images_per_second
+
+
+def _bare_ms(case: LoopCase, program, device_data, steps: int, per_call: int) -> float:
+    """A Python loop calling the same compiled call on inputs placed once: ms per step."""
+    batch = case.batch_size
+    if device_data is not None:
+        replicated = NamedSharding(program.mesh, P())
+        epoch = len(case.data) // batch  # rows: indices, epoch 0, batch k, the epoch's steps; twice an epoch's
+        rows = np.zeros((2 * epoch, batch + 3), np.int32)
+        rows[:epoch, :batch] = np.arange(epoch * batch).reshape(epoch, batch)
+        rows[:epoch, -2], rows[:epoch, -1] = np.arange(epoch), epoch
+        cursor = jax.device_put(np.int32(0), replicated)
+        inputs = (*device_data, jax.device_put(rows.astype(np.int32), replicated), cursor)
+        run = program.calls.get(per_call, True).run
+    elif per_call == 1:
+        inputs, run = program.train_input.place(case.data.images[:batch], case.data.labels[:batch]), program.train_step
+    else:
+        rows = program.train_input.share.take(np.arange(batch))
+        stacked = StackedPlacement(program.train_input, per_call)
+        inputs = stacked.place_rows(*(np.stack([a[rows]] * per_call) for a in (case.data.images, case.data.labels)))
+        run = program.calls.get(per_call, False).run
+    state = program.init()
+    state, _ = run(state, *inputs)  # compiled already; the first call warms up
+    jax.block_until_ready(state)
+    calls = max(1, steps // per_call)
+    start = time.perf_counter()
+    for _ in range(calls):  # (on the devices: the same rows again, cursor 0: its "next_row" not taken)
+        state, metrics = run(state, *inputs)
+    jax.block_until_ready((state, metrics))
+    return 1e3 * (time.perf_counter() - start) / (calls * per_call)
+
+
+def call_size(epoch_steps: int, wanted: int) -> int:
+    """K for the -K modes: the largest divisor of an epoch's steps from wanted/2 up to
+    `wanted`, so the epoch's last call is full (else `wanted`: that call runs idle steps)."""
+    return next((k for k in range(wanted, wanted // 2, -1) if epoch_steps % k == 0), wanted)
+
+
+def measure_loop(
+    case: LoopCase, modes=MODES, steps: int = 600, rounds: int = 3, steps_per_call: int = 16
+) -> list[dict]:
+    """One row per mode: fit's and the bare loop's median ms per step over `rounds`, every
+    round running every mode's fit and bare loop in turn."""
+    setups = {}
+    for mode in modes:
+        on_device = None
+        data = case.data
+        if mode.startswith("device"):
+            data = data.loaded()  # an image folder: decoded once, placed on the devices
+            layout, mesh = (
+                get_layout(case.layout),
+                build_mesh(case.mesh, jax.devices()[: int(np.prod(list(case.mesh.values())))]),
+            )
+            on_device, _ = choose("on", data, layout, mesh, Augment(), 0)
+        per_call = call_size(len(case.data) // case.batch_size, steps_per_call) if mode.endswith("-K") else 1
+        program = _program(case, on_device, per_call, steps * rounds + 10)
+        device_data = placed(data, on_device, program.layout, program.mesh) if on_device else None
+        setups[mode] = (program, device_data, per_call)
+    times = {mode: ([], []) for mode in modes}
+    for _ in range(rounds):
+        for mode, (program, device_data, per_call) in setups.items():
+            times[mode][0].append(_fit_ms(case, program, device_data, steps, per_call))
+            times[mode][1].append(_bare_ms(case, program, device_data, steps, per_call))
+    rows = []
+    for mode, (fits, bares) in times.items():
+        fit_ms, bare_ms = statistics.median(fits), statistics.median(bares)
+        rows.append({
+            "case": case.name, "data": case.data_name, "layout": case.layout,
+            "devices": int(np.prod(list(case.mesh.values()))), "batch_size": case.batch_size, "mode": mode,
+            "steps_per_call": setups[mode][2], "fit_ms_per_step": fit_ms, "bare_ms_per_step": bare_ms,
+            "fit_over_bare": fit_ms / bare_ms - 1, "rounds": rounds, "steps": steps,
+            "fit_ms_all": ";".join(f"{t:.4f}" for t in fits), "bare_ms_all": ";".join(f"{t:.4f}" for t in bares),
+        })  # fmt: skip
+    return rows

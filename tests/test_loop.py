@@ -1,0 +1,118 @@
+"""The loop at the devices' pace (jaxcnn.data.on_device, jaxcnn.steps.calls): data held on
+the devices gives the host loader's examples in its order, K steps in one call are K single
+steps, augmentation drawn in the step does not depend on the layout, and a stop, a resume
+and a non-finite loss land where they would one step a call."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import TINY_PLAIN, _optim, bundled_digits, compiled_program, load_train_module
+from test_equivalence import layout_named
+
+from jaxcnn.build import build_program
+from jaxcnn.config import TrainConfig
+from jaxcnn.data import Augment, Loader
+from jaxcnn.data.on_device import choose, placed
+from jaxcnn.fit import fit
+from jaxcnn.sharding import build_mesh
+
+STEPS = 10
+TINY = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32", "--quiet"]
+
+
+def losses(layout_name, mesh_shape, on_device=True, per_call=1, augment=None, steps=STEPS, seed=0):
+    """(per-step losses, the program) of `steps` steps on the bundled digits, the data on the
+    devices or read by the host loader, `per_call` steps a call."""
+    data, augment = bundled_digits(), augment or Augment()
+    layout, mesh = layout_named(layout_name), build_mesh(mesh_shape)
+    on, _ = choose("on" if on_device else "off", data, layout, mesh, augment, seed)
+    if on is None and per_call == 1 and augment == Augment():
+        program = compiled_program(layout, mesh_shape, TINY_PLAIN, steps, 32, seed, data.image_shape)
+    else:
+        program = build_program(
+            TINY_PLAIN, _optim(), layout, mesh, data.image_shape, 32, steps, seed=seed, with_eval=False,
+            on_device=on, steps_per_call=per_call,
+        )  # fmt: skip
+    config = TrainConfig(batch_size=32, epochs=1, max_steps=steps, seed=seed, steps_per_call=per_call)
+    result = fit(
+        program, program.init(), Loader(data, augment=augment), None, config, progress=False,
+        device_data=placed(data, on, layout, mesh) if on else None,
+    )  # fmt: skip
+    return np.asarray(result.loss_history), program
+
+
+@pytest.mark.parametrize(
+    ("layout_name", "mesh"),
+    [("single", {"data": 1}), ("dp", {"data": 8}), ("fsdp", {"data": 8}), ("tp", {"model": 4}),
+     ("hybrid", {"data": 4, "model": 2}), ("spatial", {"data": 2, "spatial": 4})],
+    ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={n}" for k, n in v.items()),
+)  # fmt: skip
+def test_data_on_the_devices_gives_the_host_loaders_losses_on_every_layout(layout_name, mesh):
+    """The step gathers the examples the host loader would have read, in its order: without
+    augmentation every loss equals the host path's."""
+    host, _ = losses(layout_name, mesh, on_device=False)
+    device, program = losses(layout_name, mesh, on_device=True)
+    assert program.calls.ready(1, True) and len(device) == STEPS  # the run took the on-device call
+    np.testing.assert_allclose(device, host, rtol=1e-6, atol=0)
+    on, _ = choose("on", bundled_digits(), layout_named(layout_name), build_mesh(mesh), Augment(), 0)
+    assert on.dtype == "uint8" and on.scale == 16  # the digits' x / 16 kept as bytes: a quarter of the memory
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["device", "host"])
+def test_k_steps_in_one_call_equal_k_single_calls(on_device):
+    """3 steps a call against one, over 10 steps: the last call's extra steps idle."""
+    one, _ = losses("dp", {"data": 8}, on_device=on_device)
+    three, program = losses("dp", {"data": 8}, on_device=on_device, per_call=3)
+    assert program.calls.ready(3, on_device) and program.calls.get(3, on_device).stacked  # all 3 losses back
+    np.testing.assert_allclose(three, one, rtol=1e-6)
+
+
+def test_shift_and_flip_drawn_in_the_step_do_not_depend_on_the_layout():
+    augment = Augment(shift=2, flip=True)
+    single, _ = losses("single", {"data": 1}, augment=augment)
+    dp, _ = losses("dp", {"data": 8}, augment=augment)
+    hybrid, _ = losses("hybrid", {"data": 4, "model": 2}, augment=augment)
+    plain, _ = losses("dp", {"data": 8})
+    np.testing.assert_allclose(dp, single, rtol=1e-5)
+    np.testing.assert_allclose(hybrid, single, rtol=1e-5)
+    assert not np.allclose(dp, plain, rtol=1e-3)  # the images really were shifted and flipped
+
+
+def _train(tmp_path, name, *flags):
+    return load_train_module().main([*TINY, "--results-dir", str(tmp_path), "--run-name", name, *flags])
+
+
+def test_resume_with_data_on_the_devices_and_k_steps_a_call_is_exact(tmp_path):
+    """Checkpoints fall at call boundaries (the first past each --checkpoint-every); a resume
+    from one restarts the device feed at its step, mid-epoch: every loss as uninterrupted."""
+    flags = ["--data-on-device", "on", "--steps-per-call", "4", "--augment-shift", "1", "--max-steps", "30"]
+    full = _train(tmp_path, "full", *flags, "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "10")
+    saved = sorted(int(p.name) for p in (tmp_path / "a").iterdir() if p.name.isdigit())
+    assert saved == [12, 20, 30] and full["steps_per_call"] == 4  # 20: an epoch's end; 30: the last
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for later in ("20", "30"):
+        shutil.rmtree(tmp_path / "b" / later)
+    resumed = _train(tmp_path, "again", *flags, "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    assert resumed["resumed_from_step"] == 12
+    assert resumed["loss_history"] == full["loss_history"]  # bit for bit
+    record = json.loads((tmp_path / "full" / "full.json").read_text())
+    assert record["data_on_device"].startswith("on")
+
+
+def test_a_non_finite_loss_is_caught_within_a_call_and_nothing_after_it_is_saved(tmp_path, capsys):
+    from jaxcnn.checkpoint import Checkpointer
+    from jaxcnn.commands import cli
+
+    flags = ["--optimizer", "sgd", "--momentum", "0", "--lr", "1e30", "--schedule", "constant", "--warmup-steps", "0",
+             "--norm", "none", "--max-steps", "12", "--data-on-device", "on", "--steps-per-call", "4"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run_main(
+            "train.py",
+            lambda: _train(tmp_path, "nan", *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"),
+        )
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "training loss is nan at step 2; stopped" in error[0], error
+    assert Checkpointer(tmp_path / "ck", every=1).steps() == []  # the first call's state followed the nan
