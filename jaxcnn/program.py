@@ -115,6 +115,18 @@ class StepCalls:
         return call
 
 
+class LazyCompiled:
+    """A program compiled the first time it is called (`compile()` gives the compiled one)."""
+
+    def __init__(self, compile: Callable[[], Any]):
+        self._compile, self._compiled = compile, None
+
+    def __call__(self, *args):
+        if self._compiled is None:
+            self._compiled = self._compile()
+        return self._compiled(*args)
+
+
 def call_name(steps: int, on_device: bool) -> str:
     """A call's name in compile timings: "train/device/32"."""
     return "train/" + ("device/" if on_device else "") + str(steps)

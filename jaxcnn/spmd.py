@@ -18,12 +18,21 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcnn import platform_choices
-from jaxcnn.compiling import Compilation, kernel_record
+from jaxcnn.compiling import Compilation, compile_with, kernel_record
 from jaxcnn.data.on_device import batch_axes
 from jaxcnn.errors import UserError
 from jaxcnn.models import build_model, resolve_kernels
 from jaxcnn.optim import make_optimizer, optimizer_shardings
-from jaxcnn.program import Anatomy, CompiledPart, Program, ProgramSpec, StepCall, StepCalls, call_name
+from jaxcnn.program import (
+    Anatomy,
+    CompiledPart,
+    LazyCompiled,
+    Program,
+    ProgramSpec,
+    StepCall,
+    StepCalls,
+    call_name,
+)
 from jaxcnn.saved_model import ModelVariables, flat_variables
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.partition import (
@@ -114,36 +123,6 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     )
     context = StepContext(graphdef, tx, mesh, layout, compute_shardings)
     train_step = make_train_step(context, rule, param_shardings, grad_shardings)
-    compilation = Compilation(platform)  # train first: on a GPU the others reuse its tuned kernels
-    compilation.lower(
-        "train",
-        jax.jit(
-            train_step,
-            in_shardings=(state_shardings, image_sharding, vector_sharding),
-            out_shardings=(state_shardings, replicated),
-            donate_argnums=0,
-        ),
-        abstract_state, images, labels,
-    )  # fmt: skip
-    if replicas:
-        compilation.lower(
-            "average",
-            jax.jit(average_replicas, in_shardings=(state_shardings,), out_shardings=state_shardings, donate_argnums=0),
-            abstract_state,
-        )
-    if spec.with_eval:
-        compilation.lower(
-            "eval",
-            jax.jit(
-                lambda state, x, y, m: eval_step(graphdef, layout, mesh, bool(replicas), state, x, y, m),
-                in_shardings=(state_shardings, image_sharding, vector_sharding, vector_sharding),
-                out_shardings=(replicated, replicated, replicated),
-            ),
-            abstract_state, *eval_input.arrays,
-        )  # fmt: skip
-    if spec.with_init:
-        compilation.lower("init", jax.jit(init, out_shardings=state_shardings))
-
     # --- several steps per call; batches gathered from data on the devices ---------------
     unroll = platform == "cpu"  # jaxcnn.steps.calls.over_steps: XLA:CPU's loops run a step slower
 
@@ -174,15 +153,45 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
         )  # fmt: skip
         return jitted.lower(abstract_state, *inputs)
 
-    if replicas and (spec.steps_per_call > 1):
-        raise UserError("--steps-per-call applies to every update rule but local SGD (its replicas meet between steps)")
-    ahead = [(1, True)] if spec.on_device else []
-    ahead += [(spec.steps_per_call, bool(spec.on_device))] if spec.steps_per_call > 1 else []
-    for steps, on_device in ahead:
-        compilation.add(call_name(steps, on_device), lower_call(steps, on_device))
+    compilation = Compilation(platform)  # the step first: on a GPU the others reuse its tuned kernels
+    host_train = jax.jit(
+        train_step,
+        in_shardings=(state_shardings, image_sharding, vector_sharding),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
     step_options = (
         platform_choices.step_compiler_options(platform) if spec.compiler_options is None else spec.compiler_options
     )
+    if spec.on_device is None:
+        compilation.lower("train", host_train, abstract_state, images, labels)
+    else:  # the loop gathers its batches on the devices: the host-fed step compiles only if it is called
+        compilation.add(call_name(1, True), lower_call(1, True))
+    if replicas:
+        compilation.lower(
+            "average",
+            jax.jit(average_replicas, in_shardings=(state_shardings,), out_shardings=state_shardings, donate_argnums=0),
+            abstract_state,
+        )
+    if spec.with_eval:
+        compilation.lower(
+            "eval",
+            jax.jit(
+                lambda state, x, y, m: eval_step(graphdef, layout, mesh, bool(replicas), state, x, y, m),
+                in_shardings=(state_shardings, image_sharding, vector_sharding, vector_sharding),
+                out_shardings=(replicated, replicated, replicated),
+            ),
+            abstract_state, *eval_input.arrays,
+        )  # fmt: skip
+    if spec.with_init:
+        compilation.lower("init", jax.jit(init, out_shardings=state_shardings))
+
+    if replicas and (spec.steps_per_call > 1):
+        raise UserError("--steps-per-call applies to every update rule but local SGD (its replicas meet between steps)")
+    ahead = [(1, True)] if spec.on_device else []
+    if spec.steps_per_call > 1:
+        ahead.append((spec.steps_per_call, bool(spec.on_device)))
+        compilation.add(call_name(*ahead[-1]), lower_call(*ahead[-1]))
     compiled = compilation.compile({"init": platform_choices.init_compiler_options(platform)}, default=step_options)
     lower_seconds = time.perf_counter() - start - compilation.seconds
     calls = StepCalls(
@@ -196,12 +205,15 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     program = Program(
         spec=spec,
         init=compiled.get("init"),
-        train_step=compiled["train"],
+        train_step=compiled["train"] if "train" in compiled else LazyCompiled(
+            lambda: compile_with(host_train.lower(abstract_state, images, labels), step_options)
+        ),
         eval_step=compiled.get("eval"),
         train_input=BatchPlacement(images=images, labels=labels, order=rule.batch_order(batch_size)),
         eval_input=eval_input,
         anatomy=Anatomy(
-            stages=[[CompiledPart("train", compiled["train"], 1, mesh.size)]],
+            # what runs each step: with the data on the devices, the step that gathers its batch
+            stages=[[CompiledPart("train", compiled.get("train") or compiled[call_name(1, True)], 1, mesh.size)]],
             placements=placements + stat_placements,
             compute_placements=compute_placements,
             stage_param_bytes=[bytes_per_device((abstract_state.params, abstract_state.model_state))],

@@ -44,6 +44,7 @@ LAYERS = [
     ("jaxcnn.recovery", "jaxcnn.run_record"),
     ("jaxcnn.run",),
     ("jaxcnn.commands",),
+    ("jaxcnn.__main__",),
 ]
 TRAINING = ("jaxcnn.build", "jaxcnn.spmd", "jaxcnn.pipeline", "jaxcnn.fit", "jaxcnn.steps", "jaxcnn.program")
 

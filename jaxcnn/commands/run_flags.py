@@ -199,8 +199,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=defaults_t.seed)
     g.add_argument(
         "--steps-per-call", type=steps_per_call, default=defaults_t.steps_per_call, metavar="K|auto",
-        help="optimizer steps in one compiled call (auto: 1, or, with the data on the devices and a short step, "
-        "enough steps for a call of about 50 ms; default %(default)s)",
+        help="optimizer steps in one compiled call (auto: 1, or, with the data on the devices and a step so short "
+        "that the host's part of a call is over a tenth of it, enough steps to make it a tenth; default %(default)s)",
     )  # fmt: skip
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults_o.name)
     g.add_argument("--learning-rate", "--lr", type=float, default=defaults_o.learning_rate, help="peak learning rate")
