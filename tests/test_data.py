@@ -351,3 +351,24 @@ def test_a_loader_faster_than_the_step_idles_the_devices_about_never(timed_progr
     assert not verdict(rows).startswith("input-bound")
     slow = _run(timed_program, 0.01)
     np.testing.assert_allclose(slow.loss_history, fast.loss_history)  # the same batches, only later
+
+
+@pytest.mark.parametrize("size", [5, 19, 24], ids=["smaller-than-a-batch", "a-partial-last-batch", "whole-batches"])
+def test_processes_holding_interleaved_rows_evaluate_every_example_once_in_order(size):
+    """Two processes whose rows of each batch of 8 interleave (a custom rules table can give
+    that): each reads only its examples, masks the padding, and their rows put back together
+    are the test set in its order."""
+    from jaxcnn.data import Dataset, EvalShare
+
+    images = np.arange(size, dtype=np.float32).reshape(size, 1, 1, 1)
+    dataset = Dataset(images=images, labels=np.arange(size, dtype=np.int32) % 10, source="counted")
+    shares = [EvalShare(dataset, 8, np.array(rows)) for rows in ([0, 2, 4, 6], [1, 3, 5, 7])]
+    assert sum(len(s.own) for s in shares) == size  # nobody reads an example twice
+    rebuilt = []
+    for (x0, y0, m0), (x1, y1, m1) in zip(shares[0].batches(), shares[1].batches(), strict=True):
+        batch = np.empty((8, 1, 1, 1), np.float32)
+        mask = np.empty(8, np.float32)
+        batch[0::2], batch[1::2], mask[0::2], mask[1::2] = x0, x1, m0, m1
+        rebuilt.append(batch[mask == 1])
+        np.testing.assert_array_equal(batch[mask == 0], 0)  # padding: zero images, masked out
+    np.testing.assert_array_equal(np.concatenate(rebuilt).ravel(), np.arange(size))
