@@ -1,8 +1,8 @@
 """A stop every process agrees on (jaxcnn.stopping), as clusters stop jobs: real processes,
 signals and restarts. SIGTERM to one of two processes stops both at one step, where both
-save; the same command again continues; a process killed outright is restarted with the
-others from the last checkpoint (launch_local.py --max-restarts); a saved run continues on
-another process count. Every run ends with the losses of one uninterrupted run."""
+save; the same command again continues (and stops again at --stop-signal); one process
+continues it; a process killed outright is restarted with the others from the last
+checkpoint (launch_local.py --max-restarts). Every run ends with the losses of one uninterrupted run."""
 
 import json
 import os
@@ -75,9 +75,12 @@ def assert_same_run(run: dict, reference: dict) -> None:
     np.testing.assert_allclose(run["test_accuracy"], reference["test_accuracy"], rtol=1e-6)
 
 
-def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_the_same_command_continues(tmp_path, reference):
-    command = [LAUNCH, "--num-processes", "2", "--", *FLAGS, "--run-name", "r", "--resume", "auto",
-               "--results-dir", tmp_path]  # fmt: skip
+def test_sigterm_to_one_of_two_processes_stops_both_and_the_run_continues_on_any_process_count(tmp_path, reference):
+    """SIGTERM to process 1 mid-epoch -> both stop at one step and save; the same command (as a
+    requeued job runs it) resumes, and --stop-signal USR1 to process 0 as it resumes stops both
+    again; one process then runs to the end (Orbax reshards the state onto its devices)."""
+    common = [*FLAGS, "--run-name", "r", "--resume", "auto", "--stop-signal", "USR1", "--results-dir", tmp_path]
+    command = [LAUNCH, "--num-processes", "2", "--", *common]
     launcher = start(command)
     out = signal_after(launcher, "[p0] epoch 1/2", lambda: os.kill(children(launcher.pid)[1], signal.SIGTERM))
     assert launcher.returncode == 75, out[-3000:]
@@ -86,11 +89,17 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_the_same_com
     stopped = record(tmp_path, "r")
     assert (stopped["interrupted_at_step"], stopped["stopped_by"]) == (steps[0], "SIGTERM")
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == [str(steps[0])]
-    again = start(command)  # the same command line, as a requeued job runs it
-    out = again.communicate(timeout=300)[0]
-    assert again.returncode == 0, out[-3000:]
+    again = start(command)  # the same command line
+    out = signal_after(again, "[p0] jaxcnn train: resuming", lambda: os.kill(children(again.pid)[0], signal.SIGUSR1))
+    assert again.returncode == 75, out[-3000:]
+    second = stopped_steps(out)
+    assert len(second) == 2 and steps[0] < second[0] == second[1] < 2 * STEPS_PER_EPOCH, out[-3000:]
+    assert record(tmp_path, "r")["stopped_by"] == "SIGUSR1"  # process 0 was sent it; process 1 heard SIGTERM
+    last = start([TRAIN, *common, "--host-devices", "4"])
+    out = last.communicate(timeout=300)[0]
+    assert last.returncode == 0, out[-3000:]
     finished = record(tmp_path, "r")
-    assert finished["resumed_from_step"] == steps[0] and finished["num_processes"] == 2
+    assert finished["resumed_from_step"] == second[0] and finished["num_processes"] == 1
     assert_same_run(finished, reference)
 
 
@@ -106,29 +115,6 @@ def test_a_killed_process_restarts_every_process_from_the_last_checkpoint(tmp_pa
     finished = record(tmp_path, "r")
     # resumed from the newest checkpoint saved before the kill: at or after epoch 1's end (step 89)
     assert finished["resumed_from_step"] % every == 0 and finished["resumed_from_step"] >= 4 * every
-    assert_same_run(finished, reference)
-
-
-def test_a_stopped_run_continues_on_another_process_count(tmp_path, reference):
-    """1 process stopped by SIGTERM -> 2 processes, stopped by --stop-signal USR1 to one of
-    them as they resume -> 1 process to the end (each resume: Orbax reshards the state onto the new devices)."""
-    common = [*FLAGS, "--run-name", "r", "--resume", "auto", "--stop-signal", "USR1", "--results-dir", tmp_path]
-    one = [TRAIN, *common, "--host-devices", "4"]
-    first = start(one)
-    out = signal_after(first, "epoch 1/2", lambda: first.send_signal(signal.SIGTERM))
-    assert first.returncode == 75 and len(stopped_steps(out)) == 1, out[-3000:]
-    first_stop = stopped_steps(out)[0]
-    two = start([LAUNCH, "--num-processes", "2", "--", *common])
-    out = signal_after(two, "[p0] jaxcnn train: resuming", lambda: os.kill(children(two.pid)[0], signal.SIGUSR1))
-    assert two.returncode == 75, out[-3000:]
-    steps = stopped_steps(out)
-    assert len(steps) == 2 and first_stop < steps[0] == steps[1] < 2 * STEPS_PER_EPOCH, out[-3000:]
-    assert record(tmp_path, "r")["stopped_by"] == "SIGUSR1"  # process 0 was sent it; process 1 heard SIGTERM
-    last = start(one)
-    out = last.communicate(timeout=300)[0]
-    assert last.returncode == 0, out[-3000:]
-    finished = record(tmp_path, "r")
-    assert finished["resumed_from_step"] == steps[0] and finished["num_processes"] == 1
     assert_same_run(finished, reference)
 
 
