@@ -364,11 +364,12 @@ def test_processes_holding_interleaved_rows_evaluate_every_example_once_in_order
     dataset = Dataset(images=images, labels=np.arange(size, dtype=np.int32) % 10, source="counted")
     shares = [EvalShare(dataset, 8, np.array(rows)) for rows in ([0, 2, 4, 6], [1, 3, 5, 7])]
     assert sum(len(s.own) for s in shares) == size  # nobody reads an example twice
-    rebuilt = []
+    rebuilt, labels = [], []
     for (x0, y0, m0), (x1, y1, m1) in zip(shares[0].batches(), shares[1].batches(), strict=True):
-        batch = np.empty((8, 1, 1, 1), np.float32)
-        mask = np.empty(8, np.float32)
-        batch[0::2], batch[1::2], mask[0::2], mask[1::2] = x0, x1, m0, m1
+        batch, label, mask = np.empty((8, 1, 1, 1), np.float32), np.empty(8, np.int32), np.empty(8, np.float32)
+        batch[0::2], batch[1::2], label[0::2], label[1::2], mask[0::2], mask[1::2] = x0, x1, y0, y1, m0, m1
         rebuilt.append(batch[mask == 1])
+        labels.append(label[mask == 1])
         np.testing.assert_array_equal(batch[mask == 0], 0)  # padding: zero images, masked out
     np.testing.assert_array_equal(np.concatenate(rebuilt).ravel(), np.arange(size))
+    np.testing.assert_array_equal(np.concatenate(labels), dataset.labels)
