@@ -138,8 +138,8 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
     try:
         status = 0
         for attempt in range(max_restarts + 1):
-            if stopping:
-                break
+            if stopping:  # stopped before (re)starting: as a process killed by that signal would end
+                return 128 + stopping[0]
             current.append(Processes(num_processes, devices_per_process, train_args))
             if stopping:  # sent while they started
                 current[-1].signal(stopping[0])

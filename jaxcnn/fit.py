@@ -185,7 +185,10 @@ def fit(
     first_program = programs[config.batch_for_epoch(0)]
     sizer = (
         _CallSizer(batches, steps_per_epoch)
+        # one process alone: several would each time their own calls and switch at different steps
+        # (their collectives would no longer match), so a multi-process run keeps one step a call
         if config.steps_per_call == "auto" and device_data is not None and first_program.averaging is None
+        and jax.process_count() == 1
         else None
     )
     result = None
@@ -363,7 +366,8 @@ class _CallSizer:
     COMPILE_SECONDS, COMPILE_SECONDS_PER_STEP_CPU = 10.0, 3.0
 
     def __init__(self, feed: DeviceFeed, steps_per_epoch: list[int]):
-        self.feed, self.epoch_steps, self.total = feed, steps_per_epoch[0], sum(steps_per_epoch)
+        self.feed, self.total = feed, sum(steps_per_epoch)
+        self.epoch_steps = min(steps_per_epoch)  # a call holds at most the shortest epoch's steps (a batch schedule)
         self.calls_seen, self.chosen = 0, None
         self.host_seconds: list[float] = []
         self.device_seconds: list[float] = []

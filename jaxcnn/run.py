@@ -86,8 +86,9 @@ def _train(config: RunConfig, launch: Launch, stop: StopRequests, started: float
         loader = dataclasses.replace(loader, dataset=train_set)
     on_device, on_device_said = choose(data.data_on_device, train_set, layout, mesh, augment, train_config.seed)
     per_call = train_config.steps_per_call
-    if isinstance(per_call, int) and on_device:  # a call holds at most an epoch's steps
+    if isinstance(per_call, int) and on_device:  # a call holds at most an epoch's steps (the shortest's)
         per_call = min(per_call, len(train_set) // max(train_config.batch_sizes))
+        train_config = dataclasses.replace(train_config, steps_per_call=per_call)
     programs = build_programs(
         config.model, config.optim, layout, mesh, train_set.image_shape, train_config, len(train_set),
         update=config.update, microbatches=config.parallel.microbatches, stage_split=config.parallel.stage_split,

@@ -116,3 +116,10 @@ def test_a_non_finite_loss_is_caught_within_a_call_and_nothing_after_it_is_saved
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "training loss is nan at step 2; stopped" in error[0], error
     assert Checkpointer(tmp_path / "ck", every=1).steps() == []  # the first call's state followed the nan
+
+
+def test_k_larger_than_an_epoch_is_cut_to_the_epoch(tmp_path):
+    """--steps-per-call 64 with epochs of 11 steps (batch 128): calls of 11, every step run."""
+    run = _train(tmp_path, "long", "--data-on-device", "on", "--steps-per-call", "64", "--batch-size", "128",
+                 "--max-steps", "15")  # fmt: skip
+    assert run["steps_per_call"] == 11 and len(run["loss_history"]) == 15
