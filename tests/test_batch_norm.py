@@ -104,17 +104,44 @@ def test_inside_a_shard_map_the_statistics_run_over_its_axis(x64):
         def loss(params, x):
             module = nnx.merge(graphdef, params, copy=True)
             module.axis_name = ("data",)
-            return _loss(module, x, weights)
+            return _loss(module, x, weights), nnx.state(module)
 
-        d_state, dx = jax.grad(loss, argnums=(0, 1))(state, x)
-        return jax.lax.pmean(d_state["scale"][...], "data"), dx
+        (_, after), (d_state, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
+        d_affine = jax.lax.pmean((d_state["scale"][...], d_state["bias"][...]), "data")
+        return d_affine, dx, (after["mean"][...], after["var"][...])
 
     mapped = jax.shard_map(
-        per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P("data")), check_vma=False
+        per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P("data"), P()), check_vma=False
     )
-    d_scale, dx = jax.jit(mapped)(state, x, weights)
+    (d_scale, d_bias), dx, running = jax.jit(mapped)(state, x, weights)
     np.testing.assert_allclose(np.asarray(dx), expected[2], rtol=1e-12, atol=1e-13)
-    np.testing.assert_allclose(np.asarray(d_scale) * 4, expected[0], rtol=1e-12)  # 4 devices' mean x 4: the sum
+    # 4 devices' mean x 4: the sum
+    np.testing.assert_allclose(np.asarray(d_scale) * 4, expected[0], rtol=1e-12, err_msg="d_scale")
+    np.testing.assert_allclose(np.asarray(d_bias) * 4, expected[1], rtol=1e-12, err_msg="d_bias")
+    for name, a, b in zip(("running mean", "running var"), running, expected[3:], strict=True):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+def test_float32_statistics_of_activations_with_a_large_mean_stay_exact():
+    """Where E[x^2] - E[x]^2 cancels: float32 activations of mean 30 and spread 1 split over
+    8 devices. The batch's mean and variance (read from the running averages, momentum 0)
+    equal float64's two-pass ones to float32 rounding, where the one-pass form is off by
+    more than 1e-5 (asserted, so the case stays a hard one). The running mean is a previous
+    batch's, as after a few steps: the shifted sums are taken about it."""
+    rng = np.random.default_rng(4)
+    x, weights = rng.normal(30.0, 1.0, SHAPE).astype(np.float32), rng.normal(size=SHAPE).astype(np.float32)
+    axes = (0, 1, 2)
+    exact_mean, exact_var = x.astype(np.float64).mean(axes), x.astype(np.float64).var(axes)
+    one_pass = np.square(x).mean(axes) - np.square(x.mean(axes))
+    assert np.abs(one_pass / exact_var - 1).max() > 1e-5
+    bn = BatchNorm(6, momentum=0.0, rngs=nnx.Rngs(0))
+    bn.mean[...] = jnp.asarray(rng.normal(30.0, 1.0, SHAPE).astype(np.float32).mean(axes))
+    for layout, mesh in ((None, None), ("dp", {"data": 8})):
+        found = _grads(
+            bn, jnp.asarray(x), jnp.asarray(weights), layout and get_layout(layout), mesh and build_mesh(mesh)
+        )
+        np.testing.assert_allclose(found[3], exact_mean, rtol=1e-7, err_msg=f"mean, {layout}")
+        np.testing.assert_allclose(found[4], exact_var, rtol=2e-6, err_msg=f"variance, {layout}")
 
 
 def test_per_device_statistics_normalise_each_piece_on_its_own(x64):
