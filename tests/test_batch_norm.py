@@ -1,6 +1,6 @@
 """Batch norm with one collective each way (jaxcnn.models.batch_norm): the same numbers as
 flax's two-pass batch norm over the whole batch, however the batch is cut over devices, and
-one all-gather forward plus one all-reduce backward per layer in the compiled step."""
+one all-reduce of 2 x C values forward and one backward per layer in the compiled step."""
 
 from __future__ import annotations
 
@@ -176,18 +176,31 @@ def test_one_collective_each_way_per_batch_norm_layer(model, layout, mesh, image
     roles = classify(found, program.anatomy.placements, program.mesh)
     norms = sum(1 for layer in layer_shapes(model, image) if layer.norm_path)
     widths = {layer.features for layer in layer_shapes(model, image) if layer.norm_path}
-    gathered = [c for c, role in zip(found, roles, strict=True) if role == "statistics" and c.kind == "all-gather"]
-    assert len(gathered) == norms  # forward: one all-gather a layer, of every piece's moments
-    # backward: each layer's (2, C) sums all-reduced once (XLA may fuse several layers' into one)
+    assert not [c for c, role in zip(found, roles, strict=True) if role == "statistics" and c.kind != "all-reduce"]
+    # forward: each layer's (2, C) shifted sums; backward: its (2, C) sums of dy and dy x_hat.
+    # All-reduced once each (XLA may fuse several layers' into one collective)
     summed = [c for c in found if c.kind == "all-reduce" for shape in c.shapes if shape in {(2, w) for w in widths}]
-    assert len(summed) == norms
+    assert len(summed) == 2 * norms
     # over all the devices holding different pieces at once, not once per axis (under spatial,
     # where a layer's rows are whole on every device: over data only)
     data = mesh.get("data", 1)
-    assert all(c.group_size in (data, program.mesh.size) for c in gathered + summed)
-    assert any(c.group_size == program.mesh.size for c in gathered)
+    assert all(c.group_size in (data, program.mesh.size) for c in summed)
+    assert any(c.group_size == program.mesh.size for c in summed)
     if layout != "spatial":  # the rest: the gradients' fused reduction, the loss and the accuracy
-        assert Counter(c.kind for c in found)["all-reduce"] <= norms + 4
+        assert Counter(c.kind for c in found)["all-reduce"] <= 2 * norms + 4
+
+
+def test_statistics_bytes_do_not_grow_with_the_device_count():
+    """The forward's statistics are 2 x C floats a layer on 2 devices and on 8: an
+    all-reduce, not a gather of every piece's moments."""
+    per_layer = {}
+    for n in (2, 8):
+        program = compiled_program(get_layout("dp"), {"data": n}, CNN, steps=4, batch_size=32, image_shape=(8, 8, 1))
+        found = collectives(program.train_step.as_text(), program.mesh.size)
+        roles = classify(found, program.anatomy.placements, program.mesh)
+        per_layer[n] = sorted(c.buffer_bytes for c, role in zip(found, roles, strict=True) if role == "statistics")
+    assert per_layer[2] == per_layer[8]
+    assert max(per_layer[8]) <= 2 * max(CNN.conv_features) * 4 * len(CNN.conv_features)  # fused at most
 
 
 def test_per_device_statistics_gather_nothing():

@@ -6,6 +6,8 @@ per-step losses within rtol 1e-5 of the reference, final parameters allclose.
 """
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +77,45 @@ def test_grad_accumulation_reduces_gradients_once_per_step(layout, mesh):
     if layout == "hybrid":  # tensor-parallel partial sums are per micro-batch: inside the loop
         over_model = [c for c in found if c.group_size == mesh["model"]]
         assert over_model and all(c.repeats == k for c in over_model)
+
+
+def _loop_carried_shapes(hlo_text: str) -> list[tuple[int, ...]]:
+    """Every array a compiled program's while loops carry from one iteration to the next."""
+    shapes = []
+    for line in hlo_text.splitlines():
+        if re.search(r"= \(.*\) while\(", line):
+            carried = line.split(" while(")[0]
+            shapes += [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"f32\[([0-9,]*)\]", carried)]
+    return shapes
+
+
+def test_fsdp_accumulation_keeps_parameters_and_gradients_sharded():
+    """FSDP under gradient accumulation: the micro-batch loop carries each split parameter
+    and its gradient accumulator as 1/8 shards (never whole), gathers the parameter and
+    reduce-scatters its gradient once a micro-batch, and trains as fsdp without accumulation."""
+    k, mesh = 4, {"data": 8}
+    program = compiled_program(get_layout("fsdp"), mesh, TINY_PLAIN, STEPS, update=UpdateConfig(grad_accum=k))
+    text = program.train_step.as_text()
+    split = [p for p in program.anatomy.placements if "data" in p.spec]
+    assert split
+    carried = _loop_carried_shapes(text)
+    for p in split:
+        dim = list(p.spec).index("data")
+        shard = tuple(n // 8 if i == dim else n for i, n in enumerate(p.shape))
+        assert p.shape not in carried, f"{p.path}: carried whole"
+        assert carried.count(shard) >= 2, f"{p.path}: the parameter's and the accumulator's shards"
+    split_bytes = sum(math.prod(p.shape) * 4 for p in split)
+    found = collectives(text, program.mesh.size)
+    scattered = [c for c in found if c.kind == "reduce-scatter"]
+    assert scattered and all(c.repeats == k for c in scattered)
+    assert sum(c.buffer_bytes for c in scattered) == split_bytes  # each split gradient, whole before the scatter
+    assert not [
+        c for c in found if c.kind == "all-reduce" and c.buffer_bytes >= min(math.prod(p.shape) * 4 for p in split)
+    ]
+    plain = train_losses(get_layout("fsdp"), mesh, TINY_PLAIN, steps=STEPS)
+    assert_same_training(
+        train_losses(get_layout("fsdp"), mesh, TINY_PLAIN, steps=STEPS, update=UpdateConfig(grad_accum=k)), plain
+    )
 
 
 # --- rematerialisation ----------------------------------------------------------------------

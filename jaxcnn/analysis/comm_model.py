@@ -21,8 +21,8 @@ degree (`height`), G = D x S the devices holding different data for one paramete
   activation, only over `data`.
 - FSDP: one all-gather of each split parameter per step (gathered once, kept for backward).
 - batch norm over P > 1 pieces of the batch (P = D, or D x S where the layer's input is
-  split by height and S divides its output height; jaxcnn.models.batch_norm), per layer: forward one all-gather of every piece's mean
-  and squared deviations (P x 2 x C_local x 4 bytes: float32 statistics); backward one
+  split by height and S divides its output height; jaxcnn.models.batch_norm), per layer: forward one all-reduce of the
+  pieces' shifted sums (2 x C_local x 4 bytes: float32 statistics, whatever P); backward one
   all-reduce of the sums of dy and dy x x_hat (2 x C_local x 4), which are also scale's
   and bias's gradients -- so those leave the gradients' all-reduce. C_local = C / M when
   split. Per-device statistics: only the running averages' all-reduce forward (2 x C_local
@@ -136,7 +136,7 @@ def comm_terms(
                 continue
             stats = 2 * layer.features / layout.degree(layer.space_out, mesh_shape) * 4
             if config.norm_statistics == "global":
-                terms.append(CommTerm("all-gather", "batch-norm statistics of every piece", pieces, pieces * stats))
+                terms.append(CommTerm("all-reduce", "batch-norm statistics (shifted sums)", pieces, stats))
                 terms.append(CommTerm("all-reduce", "batch-norm gradient sums", pieces, stats))
             else:
                 terms.append(CommTerm("all-reduce", "batch-norm running statistics", pieces, stats))

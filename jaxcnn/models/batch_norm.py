@@ -6,8 +6,15 @@ backward pass for each again -- small collectives on the critical path, 3-4 per 
 Here instead:
 
 - forward: each device's piece of the batch gives its own mean and sum of squared
-  deviations (two passes over local data, exact); one all-gather brings every piece's pair
-  to every device, which combines them exactly (Chan et al.'s parallel variance);
+  deviations (two passes over local data, exact). One all-reduce of 2C values sums the
+  pieces' moments about a reference every device already holds, the running mean:
+  `sum n (mean_i - ref)` and `sum m2_i + n (mean_i - ref)^2`, from which the batch's mean
+  and variance follow (Chan et al.'s parallel variance about a shift). The bytes do not
+  grow with the device count, as a gather of every piece's pair would. Only the spread
+  of the pieces' means about the reference is computed in one pass, so the rounding is
+  eps * ((batch mean - ref) / std)^2 of the variance: float32 rounding once the running
+  mean follows the batch's, flax's own one-pass `use_fast_variance` at a cold start far
+  from zero. One piece (one device) needs no collective and keeps the exact two-pass form;
 - backward: the standard batch-norm gradient (a `custom_vjp`) needs the sums of `dy` and
   `dy * x_hat` over the batch: one stacked sum, so one all-reduce, which also gives
   `scale`'s and `bias`'s gradients.
@@ -29,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxcnn.sharding.partition import gather_pieces, image_pieces
+from jaxcnn.sharding.partition import image_pieces, replicate_statistics
 
 WITHIN_PIECE = (1, 3, 5)  # of the activation split into pieces: (pb, b, ph, h, pw, w, C)
 STATISTICS_SCOPE = "batch_norm_statistics"  # names the collectives in the compiled program (analysis.lint)
@@ -53,7 +60,8 @@ class BatchNorm(nnx.BatchNorm):
             x, scale, bias = x.astype(self.dtype), scale.astype(self.dtype), bias.astype(self.dtype)
         out_dtype = self.dtype or jnp.result_type(x, scale, bias)
         pieces = image_pieces(x.shape)
-        y, mean, var = batch_norm_train(x, scale, bias, pieces, self.axis_name, self.epsilon, self.local)
+        reference = jax.lax.stop_gradient(self.mean[...])
+        y, mean, var = batch_norm_train(x, scale, bias, reference, pieces, self.axis_name, self.epsilon, self.local)
         self.mean[...] = jax.lax.stop_gradient(self.momentum * self.mean[...] + (1 - self.momentum) * mean)
         self.var[...] = jax.lax.stop_gradient(self.momentum * self.var[...] + (1 - self.momentum) * var)
         return y.astype(out_dtype)
@@ -85,13 +93,18 @@ def _per_piece_sums(dy, x_hat):
     return sums.reshape(2, -1, sums.shape[-1])
 
 
-def _combine(moments, count):
-    """The whole batch's mean and (biased) variance from equal pieces' moments, `count`
-    values each (Chan et al.)."""
-    means, m2s = moments[:, 0], moments[:, 1]
-    mean = means.mean(0)
-    m2 = m2s.sum(0) + count * jnp.square(means - mean).sum(0)
-    return mean, m2 / (count * len(moments))
+def _shifted_sums(moments, count, reference):
+    """The pieces' moments as sums about `reference`: (2, pieces, C), to be summed over
+    the pieces -- `n (mean_i - ref)` and `m2_i + n (mean_i - ref)^2`, `count` values each."""
+    shift = moments[:, 0] - reference
+    return jnp.stack([count * shift, moments[:, 1] + count * jnp.square(shift)])
+
+
+def _from_shifted_sums(sums, n, reference):
+    """The batch's mean and (biased) variance from the pieces' summed shifted sums, n values
+    in all."""
+    shift = sums[0] / n
+    return reference + shift, jnp.maximum(sums[1] / n - jnp.square(shift), 0.0)
 
 
 def _per_piece(x, pieces) -> int:
@@ -105,22 +118,23 @@ def _by_piece(per_piece, pieces):
     return per_piece.reshape(*per_piece.shape[:-2], pb, 1, ph, 1, pw, 1, per_piece.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def batch_norm_train(x, scale, bias, pieces, axis_name, epsilon, local):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def batch_norm_train(x, scale, bias, reference, pieces, axis_name, epsilon, local):
     """`(y, mean, var)`: x normalised by its batch statistics, then scaled and shifted;
-    the statistics for the running averages."""
-    return _forward(x, scale, bias, pieces, axis_name, epsilon, local)[0]
+    the statistics for the running averages. `reference`: per channel, the shift the
+    pieces' moments are summed about (the running mean; no gradient flows to it)."""
+    return _forward(x, scale, bias, reference, pieces, axis_name, epsilon, local)[0]
 
 
-def _forward(x, scale, bias, pieces, axis_name, epsilon, local):
+def _forward(x, scale, bias, reference, pieces, axis_name, epsilon, local):
     with jax.named_scope(STATISTICS_SCOPE):
-        mean, var, mean_x, inv_x = _statistics(x, pieces, axis_name, epsilon, local)
+        mean, var, mean_x, inv_x = _statistics(x, reference, pieces, axis_name, epsilon, local)
     xs = _split(x.astype(_stat_dtype(x)), pieces)
     y = ((xs - mean_x) * (inv_x * scale) + bias).reshape(x.shape)
-    return (y, mean, var), (x, mean_x, inv_x, scale)
+    return (y, mean, var), (x, mean_x, inv_x, scale, reference)
 
 
-def _statistics(x, pieces, axis_name, epsilon, local):
+def _statistics(x, reference, pieces, axis_name, epsilon, local):
     """The batch's mean and variance (for the running averages), and the mean and inverse
     deviation x is normalised by: the batch's, or (local) each piece's."""
     count = _per_piece(x, pieces)
@@ -131,15 +145,20 @@ def _statistics(x, pieces, axis_name, epsilon, local):
         if axis_name:
             mean, var = jax.lax.pmean((mean, var), axis_name)
         return mean, var, _by_piece(means, pieces), _by_piece(jax.lax.rsqrt(variances + epsilon), pieces)
-    moments = gather_pieces(moments)  # the forward's one collective
-    if axis_name:
-        moments = jax.lax.all_gather(moments, axis_name, axis=0, tiled=True)
-    mean, var = _combine(moments, count)
+    if len(moments) == 1 and not axis_name:  # the whole batch on one device: exact two-pass
+        mean, var = moments[0, 0], moments[0, 1] / count
+    else:
+        reference = reference.astype(moments.dtype)
+        sums = replicate_statistics(_shifted_sums(moments, count, reference).sum(1))  # the forward's one all-reduce
+        n = count * len(moments)
+        if axis_name:  # inside a shard_map: the other devices' pieces too
+            sums, n = jax.lax.psum(sums, axis_name), n * jax.lax.psum(1, axis_name)
+        mean, var = _from_shifted_sums(sums, n, reference)
     return mean, var, mean, jax.lax.rsqrt(var + epsilon)
 
 
 def _backward(pieces, axis_name, epsilon, local, residuals, cotangents):
-    x, mean_x, inv_x, scale = residuals
+    x, mean_x, inv_x, scale, reference = residuals
     dy = _split(cotangents[0].astype(mean_x.dtype), pieces)
     x_hat = (_split(x.astype(mean_x.dtype), pieces) - mean_x) * inv_x
     with jax.named_scope(STATISTICS_SCOPE):
@@ -156,7 +175,8 @@ def _backward(pieces, axis_name, epsilon, local, residuals, cotangents):
     # scale's and bias's gradients from this device's own sums: inside a shard_map, as
     # autodiff would give (the caller's pmean averages them); under jit, the batch's
     d_bias, d_scale = own
-    return dx.reshape(x.shape).astype(x.dtype), d_scale.astype(scale.dtype), d_bias.astype(scale.dtype)
+    d_x, d_scale, d_bias = dx.reshape(x.shape).astype(x.dtype), d_scale.astype(scale.dtype), d_bias.astype(scale.dtype)
+    return d_x, d_scale, d_bias, jnp.zeros_like(reference)
 
 
 batch_norm_train.defvjp(_forward, _backward)

@@ -122,9 +122,9 @@ def _expect(*pairs: str) -> frozenset[tuple[str, str]]:
     return frozenset(tuple(pair.split(":")) for pair in pairs)
 
 
-# Batch norm over a split batch: its statistics' one all-gather forward and one all-reduce
-# backward per layer (jaxcnn.models.batch_norm).
-NORM_STATISTICS = _expect("all-gather:statistics", "all-reduce:statistics")
+# Batch norm over a split batch: its statistics' one all-reduce forward and one backward
+# per layer (jaxcnn.models.batch_norm).
+NORM_STATISTICS = _expect("all-reduce:statistics")
 
 SINGLE = Layout(name="single", default_mesh="data=1", expected_collectives=frozenset())
 

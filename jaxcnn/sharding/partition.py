@@ -259,12 +259,12 @@ def image_pieces(shape: Sequence[int]) -> tuple[int, int, int]:
     return tuple(w if size % w == 0 else 1 for size, w in zip(shape[:3], ways, strict=True))
 
 
-def gather_pieces(x: jax.Array) -> jax.Array:
-    """Per-piece values (`image_pieces`; the first dimension runs over the pieces, the last is
-    channels) whole on every device: one all-gather. Where the pieces live before is left
-    to XLA -- pinning them to their owners as well made XLA:CPU's partitioner compute some
-    gradients of the layers upstream 4x too large (the default 3-block CNN under spatial
-    data=4,spatial=2). A no-op outside `activation_layout`."""
+def replicate_statistics(x: jax.Array) -> jax.Array:
+    """Per-channel statistics summed over the pieces (`image_pieces`; the last dimension is
+    channels) whole on every device, so the sum over the pieces is one all-reduce. Where
+    the pieces live before is left to XLA -- pinning them to their owners as well made
+    XLA:CPU's partitioner compute some gradients of the layers upstream 4x too large (the
+    default 3-block CNN under spatial data=4,spatial=2). A no-op outside `activation_layout`."""
     found = _image_split()
     if found is None:
         return x

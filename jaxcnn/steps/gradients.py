@@ -26,6 +26,7 @@ class StepContext:
     layout: Layout  # the activations' layout inside this computation
     compute_shardings: Any  # FSDP: where parameters live for compute (gathered); else None
     norm_axis: tuple[str, ...] = ()  # batch norm's axis_name: statistics over the shard_map's shards
+    gather_params: Any = None  # inside a shard_map: params -> params gathered whole over its axes (FSDP)
 
 
 class Gradients(NamedTuple):
@@ -41,6 +42,8 @@ def loss_and_grads(ctx: StepContext, params, model_state, key, images, labels) -
     """One forward/backward of the batch."""
 
     def loss_fn(params):
+        if ctx.gather_params is not None:  # autodiff reduce-scatters the gradient back to the shards
+            params = ctx.gather_params(params)
         if ctx.compute_shardings is not None:
             # FSDP: gather each parameter whole for compute. The constraint's transpose
             # makes its gradient arrive whole too, then be reduce-scattered to the owner
@@ -76,7 +79,12 @@ def accumulate(
     def body(carry, micro):
         total, model_state, loss_sum, accuracy_sum = carry
         k, x, y = micro
-        loss, accuracy, model_state, grads = loss_and_grads(ctx, params, model_state, jax.random.fold_in(key, k), x, y)
+        own = params
+        if ctx.gather_params is not None:
+            # tied to the micro-batch, so XLA cannot hoist the gather out of the loop and keep
+            # the whole parameters for every micro-batch: each gathers its own
+            own, x = jax.lax.optimization_barrier((params, x))
+        loss, accuracy, model_state, grads = loss_and_grads(ctx, own, model_state, jax.random.fold_in(key, k), x, y)
         total = constrain_sharding(jax.tree.map(jnp.add, total, grads), grad_shardings)
         return (total, model_state, loss_sum + loss, accuracy_sum + accuracy), None
 
