@@ -121,6 +121,37 @@ def scaling_plot(rows: list[dict], path: Path, title: str, verdict: str = "") ->
     return _save(fig, path)
 
 
+def simulate_plot(rows: list[dict], path: Path, title: str) -> Path:
+    """Per layout against the device count: collective bytes per device (compiled, and the
+    analytic model's), peak memory per device, and the modelled scaling efficiency."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    for i, name in enumerate(layouts):
+        mine = [r for r in rows if r["layout"] == name]
+        n = [r["num_devices"] for r in mine]
+        color = f"C{i}"
+        axes[0].plot(n, [r["comm_bytes"] / 2**20 for r in mine], "o-", color=color, label=f"{name} compiled")
+        axes[0].plot(n, [r["model_comm_bytes"] / 2**20 for r in mine], "x--", color=color, label=f"{name} model")
+        axes[1].plot(n, [r["peak_bytes"] / 2**30 for r in mine], "o-", color=color, label=name)
+        axes[2].plot(n, [100 * r["modelled_efficiency"] for r in mine], "o-", color=color, label=name)
+    labels = [("collective bytes per device per step (MiB)", "communication"),
+              ("peak memory per device (GiB)", "memory"),
+              (f"modelled efficiency on {rows[0]['hardware']} (%)", "scaling")]  # fmt: skip
+    ticks = sorted({r["num_devices"] for r in rows})
+    for ax, (ylabel, name) in zip(axes, labels, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("devices (simulated)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(name)
+        ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    axes[2].axhline(80, color="gray", linestyle=":")
+    axes[2].set_ylim(0, 105)
+    fig.suptitle(title, y=1.02)
+    return _save(fig, path)
+
+
 def remat_plot(rows: list[dict], path: Path, title: str) -> Path:
     """Temp memory and FLOPs per remat policy: what each saves and what it costs."""
     labels = [r["remat"] + (f"\n({r['remat_names']})" if r.get("remat_names") else "") for r in rows]

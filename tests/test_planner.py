@@ -1,10 +1,13 @@
 """The planner keeps what fits and ranks it; the scaling verdict says plainly when to stop."""
 
+import dataclasses
+
 import pytest
 from conftest import TINY_PLAIN
 
+from jaxcnn.analysis.cluster_clock import TREE_NET_HOP, collective_seconds, step_comm
 from jaxcnn.analysis.hardware import get_profile
-from jaxcnn.analysis.hlo import kernel_count, spanned_axes
+from jaxcnn.analysis.hlo import Collective, kernel_count, spanned_axes
 from jaxcnn.analysis.planner import across_hosts_of, candidates_for, comm_seconds, explain, plan, rank
 from jaxcnn.analysis.verdicts import step_verdicts, verdict
 from jaxcnn.config import ModelConfig, parse_bytes
@@ -18,6 +21,12 @@ LAYOUTS = ["dp", "fsdp", "tp", "hybrid"]
 @pytest.fixture(scope="module")
 def candidates():
     return plan(WIDE, (8, 8, 1), 32, 8, budget_bytes=1e12, profile=get_profile("h100"), layouts=LAYOUTS)
+
+
+# h100's figures, its collectives costed as compiled (each its own ring, nothing hidden)
+AS_COMPILED = dataclasses.replace(
+    get_profile("h100"), combine_threshold_bytes=0, collective_algorithm="ring", overlap_fraction=0
+)
 
 
 def test_dp_wins_when_the_replicated_state_fits_comfortably(candidates):
@@ -72,7 +81,7 @@ def test_pipeline_candidates_are_compiled_and_ranked():
     """On 4 devices the planner compiles the pipeline on each stage count the model's layers
     allow and costs it like any layout: the busiest stage's figures from its compiled
     programs, priced by the alpha-beta model with the bubble, ranked and explained."""
-    profile = get_profile("h100")
+    profile = AS_COMPILED
     found = plan(TINY_PLAIN, (8, 8, 1), 32, 4, budget_bytes=1e12, profile=profile, layouts=["pipeline"])
     by_mesh = {c.mesh: c for c in found}
     assert set(by_mesh) == {"data=2,stage=2", "data=1,stage=4"}
@@ -131,8 +140,9 @@ def test_verdicts():
 
 def test_collectives_across_hosts_are_priced_at_the_network_inside_at_the_link():
     """hybrid data=2,model=4 on 2 hosts of 4: `model` stays inside a host (the link), `data`
-    crosses (the network); on one host every collective is on the link."""
-    profile = get_profile("h100")
+    crosses (the network); on one host every collective is on the link. (On a ring profile:
+    the cluster clock's own tests follow.)"""
+    profile = AS_COMPILED
     (hybrid,) = [
         c for c in plan(TINY_PLAIN, (8, 8, 1), 32, 8, 1e12, profile, layouts=["hybrid"]) if c.mesh == "data=2,model=4"
     ]
@@ -179,3 +189,48 @@ def test_kernel_count_reads_the_entry_and_loop_bodies_not_fused_computations():
     # the entry's 6-output fusion and negate, the loop body's fusion; never a fusion's insides,
     # parameters, tuples or the while itself
     assert kernel_count(KERNELS_HLO) == 3
+
+
+# --- the cluster clock (jaxcnn.analysis.cluster_clock) ------------------------------------------
+
+
+def test_small_all_reduce_latency_grows_like_log_hosts_not_devices():
+    """NCCL's tree: each doubling of the hosts adds one hop up and one down between hosts; a
+    ring of 256 would pay 510 steps."""
+    h100 = get_profile("h100")
+
+    def small(hosts):
+        return collective_seconds("all-reduce", 8 * hosts, 8, hosts, h100)
+
+    steps = [small(2 * h) - small(h) for h in (8, 16)]  # (on fewer hosts the ring can be the cheaper)
+    assert steps == pytest.approx([2 * TREE_NET_HOP] * 2)
+    assert small(32) < 100e-6 < collective_seconds("all-reduce", 256, 8, 32, AS_COMPILED)
+    # bandwidth across hosts: the host's NICs together, never above the link inside
+    big = 2**30
+    across = collective_seconds("all-reduce", 16, big, 2, h100) - small(2)
+    assert across == pytest.approx(
+        2 * 15 / 16 * big / min(h100.link_bytes_per_second, 8 * h100.network_bytes_per_second), rel=1e-3
+    )
+
+
+def _found(kind, role, buffer_bytes, line="", repeats=1, group=8):
+    c = Collective(kind, group, buffer_bytes, "f32", ((buffer_bytes // 4,),), line)
+    return dataclasses.replace(c, repeats=repeats), role
+
+
+def test_parameter_collectives_combine_and_hide_behind_compute_statistics_stay_exposed():
+    h100 = get_profile("h100")
+    grads = [_found("all-reduce", "param", 4 * 2**20) for _ in range(20)]  # 80 MiB in 20 pieces
+    forward = [_found("all-reduce", "statistics", 64, "jvp(batch_norm_statistics)") for _ in range(5)]
+    backward = [_found("all-reduce", "statistics", 64, "transpose(jvp(batch_norm_statistics))") for _ in range(5)]
+    found, roles = map(list, zip(*(grads + forward + backward), strict=True))
+    one_grad = collective_seconds("all-reduce", 8, 80 * 2**20 / 3, 1, h100)  # combined into 3 of 30 MiB at most
+    stats = collective_seconds("all-reduce", 8, 64, 1, h100)
+    idle = step_comm(found, roles, h100, {"data": 8}, None, compute_seconds=0.0)
+    assert idle.collectives == 3 + 10 and idle.hidden_seconds == 0
+    assert idle.exposed_seconds == pytest.approx(3 * one_grad + 10 * stats)
+    busy = step_comm(found, roles, h100, {"data": 8}, None, compute_seconds=1.0)  # ample compute to hide in
+    assert busy.exposed_seconds == pytest.approx(one_grad + 5 * stats)  # the last bucket, the forward statistics
+    assert busy.exposed_seconds + busy.hidden_seconds == pytest.approx(idle.exposed_seconds)
+    as_compiled = step_comm(found, roles, AS_COMPILED, {"data": 8}, None, compute_seconds=1.0)
+    assert as_compiled.collectives == 30 and as_compiled.hidden_seconds == 0

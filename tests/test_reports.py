@@ -75,6 +75,39 @@ def test_scaling_reports_speedups_and_a_verdict(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_simulate_compiles_for_more_devices_than_the_process_has_and_reads_each_program(tmp_path):
+    """`scale --simulate 4,16` in its own process (the suite's has 8 devices): a row per layout
+    and count, batch norm's statistics bytes flat in the count, the analytic model within 1%
+    of the compiled bytes, every collective in the second CSV, and the plot."""
+    out, plot = tmp_path / "simulate.csv", tmp_path / "simulate.png"
+    flags = ["--model", "cnn2d_2layer_fullconnected_2layer", "--conv-features", "8,16", "--dense-features", "32"]
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxcnn", "scale", "--simulate", "4,16", "--layouts", "dp,fsdp", *flags,
+         "--batch-size", "2", "--weak", "--out", str(out), "--plot", str(plot)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    frame = pd.read_csv(out)
+    assert list(zip(frame["layout"], frame["num_devices"], strict=True)) == [
+        ("dp", 4),
+        ("dp", 16),
+        ("fsdp", 4),
+        ("fsdp", 16),
+    ]
+    assert list(frame["global_batch_size"]) == [8, 32, 8, 32]
+    for _, rows in frame.groupby("layout"):
+        assert rows["forward_statistics_bytes_max"].nunique() == 1 and rows["forward_statistics_bytes_max"].iloc[0] > 0
+    assert ((frame["model_over_compiled"] - 1).abs() < 0.01).all(), frame[
+        ["layout", "num_devices", "model_over_compiled"]
+    ]
+    assert (frame["peak_bytes"] > 0).all() and (frame["flops_per_device"] > 0).all()
+    found = pd.read_csv(tmp_path / "simulate_collectives.csv")
+    fsdp16 = found[(found["layout"] == "fsdp") & (found["num_devices"] == 16)]
+    assert "all-gather" in set(fsdp16["kind"]) and set(fsdp16["group_size"]) == {16}  # parameters gathered
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "nothing ran" in done.stdout
+
+
 def test_plan_prints_ranked_choices_and_writes_every_candidate(tmp_path, capsys):
     out = tmp_path / "plan.csv"
     load_script("plan").main(

@@ -86,7 +86,10 @@ def classify(found: list[Collective], placements: list[ParamPlacement], mesh: Me
     roles = []
     for c in found:
         arrays = [s for s in c.shapes if s]  # scalars (the loss, step counts) say nothing
-        if STATISTICS_SCOPE in c.line:
+        # XLA's combiner may fuse batch norm's backward sums into the gradients' reduction,
+        # which then carries one op's name: with a kernel's gradient in it, it is that
+        kernels = [s for s in arrays if len(s) > 1 and _shape_key(s) in shapes]
+        if STATISTICS_SCOPE in c.line and not kernels:
             roles.append("statistics")
             continue
         roles.append("param" if arrays and all(_shape_key(s) in shapes for s in arrays) else "activation")

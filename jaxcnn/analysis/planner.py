@@ -12,9 +12,11 @@ collective (the HLO). Candidates over the memory budget are dropped; the rest ar
 modelled step time, an alpha-beta (Hockney) model with the fixed costs a GPU pays:
 
     step = FLOPs per device / peak FLOP/s  +  kernels x kernel_seconds
-         + sum over collectives (hops x hop_seconds + wire bytes / link B/s)
+         + the collectives' exposed time (latency x hops + wire bytes / bandwidth)
 
-(jaxcnn.analysis.hardware gives each profile's figures). A candidate whose devices each do
+where a GPU cluster's collectives are those XLA:GPU and NCCL would run -- the parameters'
+combined and hidden behind compute, log-depth trees across hosts
+(jaxcnn.analysis.cluster_clock); jaxcnn.analysis.hardware gives each profile's figures. A candidate whose devices each do
 well over their share of the work (FLOPs per device above 1.5x the one-device program's /
 devices: spatial on images too small to split, tp's replicated layers) is named as
 redundant compute.
@@ -33,9 +35,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from jaxcnn.analysis.cost import ProgramCost, program_cost
+from jaxcnn.analysis.cluster_clock import step_comm
+from jaxcnn.analysis.cost import ProgramCost, part_collectives, program_cost
 from jaxcnn.analysis.hardware import HardwareProfile
-from jaxcnn.analysis.hlo import spanned_axes
+from jaxcnn.analysis.lint import classify
 from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
@@ -68,6 +71,7 @@ class Candidate:
     comm_seconds: float = 0.0
     error: str | None = None  # why it could not be compiled (e.g. a size that does not divide)
     cost: ProgramCost | None = None  # what the compiled program does, before any hardware prices it
+    roles: list[list[str]] | None = None  # per stage, each collective's role (lint.classify): which can hide
     bubble_fraction: float = 0.0
 
     @property
@@ -88,24 +92,38 @@ class Candidate:
 
 
 def comm_seconds(
-    cost: ProgramCost, profile: HardwareProfile, mesh_shape: dict[str, int], across: dict[str, int] | None = None
+    cost: ProgramCost,
+    profile: HardwareProfile,
+    mesh_shape: dict[str, int],
+    across: dict[str, int] | None = None,
+    compute_seconds: float = 0.0,
+    roles: list[list[str]] | None = None,
 ) -> float:
-    """Modelled time of a step's collectives: each hop of each costs a link's latency, each
-    wire byte its bandwidth -- the network's where the collective's group spans hosts
-    (`across`: each mesh axis's ways across hosts), else the link inside a host (simulated
-    devices share one host's bandwidth N ways)."""
-    busiest = max(cost.stage_collectives, key=lambda stage: sum(c.step_wire_bytes for c in stage))
+    """Modelled time a step's collectives add to it (jaxcnn.analysis.cluster_clock): each
+    hop pays a link's latency, each wire byte its bandwidth -- the network's where the
+    collective's group spans hosts (`across`: each mesh axis's ways across hosts), else the
+    link inside a host (simulated devices share one host's bandwidth N ways). On a GPU
+    cluster profile the parameters' collectives are combined and hide behind
+    `compute_seconds`; `roles` (per stage, `lint.classify`'s) says which they are."""
+    index = max(
+        range(len(cost.stage_collectives)), key=lambda i: sum(c.step_wire_bytes for c in cost.stage_collectives[i])
+    )
+    busiest = cost.stage_collectives[index]
+    stage_roles = roles[index] if roles else ["activation"] * len(busiest)
     share = math.prod(mesh_shape.values()) if profile.shared_host else 1
-    inside, between = profile.link_bytes_per_second / share, profile.network_bytes_per_second / share
+    if share > 1:
+        profile = replace(
+            profile,
+            link_bytes_per_second=profile.link_bytes_per_second / share,
+            network_bytes_per_second=profile.network_bytes_per_second / share,
+        )
     across = across or {}
     sends = cost.wire_bytes - sum(c.step_wire_bytes for c in busiest)  # a pipeline's, between its stages
-    seconds = sends / (between if across.get(ax.STAGE, 1) > 1 else inside)
+    seconds = sends / (
+        profile.network_bytes_per_second if across.get(ax.STAGE, 1) > 1 else profile.link_bytes_per_second
+    )
     stage_mesh = {a: n for a, n in mesh_shape.items() if a != ax.STAGE}  # a stage's programs: its own sub-mesh
-    for c in busiest:
-        crosses = any(across.get(a, 1) > 1 for a in spanned_axes(c, stage_mesh))
-        hop, bandwidth = (profile.network_hop_seconds, between) if crosses else (profile.hop_seconds, inside)
-        seconds += c.repeats * (c.hops * hop + c.wire_bytes / bandwidth)
-    return seconds
+    return seconds + step_comm(busiest, stage_roles, profile, stage_mesh, across, compute_seconds).exposed_seconds
 
 
 def across_hosts_of(mesh_shape: dict[str, int], num_devices: int, hosts: int) -> dict[str, int] | None:
@@ -182,28 +200,45 @@ def compile_candidates(
     for i, (layout, mesh_shape) in enumerate(todo):
         if progress:
             progress(i, len(todo), layout, mesh_shape)
-        candidate = Candidate(layout, mesh_shape)
-        out.append(candidate)
-        try:
-            with quiet_fallbacks():
-                program = build_program(
-                    model_config, OptimConfig(), layout, build_mesh(mesh_shape), image_shape, batch_size, 1000,
-                    with_eval=False, with_init=False,
-                )  # fmt: skip
-        except UserError as err:
-            candidate.error = str(err)
-            continue
-        cost = program_cost(program)
-        candidate.cost, candidate.bubble_fraction = cost, program.anatomy.bubble_fraction
-        candidate.peak_bytes = cost.peak_bytes
-        candidate.param_bytes, candidate.optimizer_bytes = cost.param_bytes, cost.optimizer_bytes
-        candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes
-        candidate.num_collectives, candidate.num_kernels = cost.num_collectives, cost.num_kernels
+        out.append(compile_candidate(model_config, image_shape, batch_size, layout, mesh_shape)[0])
     total = min((c.flops * c.devices for c in out if c.cost is not None), default=0.0)  # the one-device work
     for c in out:
         if c.cost is not None and total:
             c.redundancy = c.flops * c.devices / total
     return out
+
+
+def compile_candidate(
+    model_config: ModelConfig, image_shape: tuple[int, int, int], batch_size: int, layout: Layout, mesh_shape: dict
+):
+    """`(candidate, program)`: one layout on one mesh compiled for `batch_size` (not run);
+    on a size that does not divide, the candidate carries the error and the program is None."""
+    candidate = Candidate(layout, mesh_shape)
+    try:
+        with quiet_fallbacks():
+            program = build_program(
+                model_config, OptimConfig(), layout, build_mesh(mesh_shape), image_shape, batch_size, 1000,
+                with_eval=False, with_init=False,
+            )  # fmt: skip
+    except UserError as err:
+        candidate.error = str(err)
+        return candidate, None
+    cost = program_cost(program)
+    candidate.cost, candidate.bubble_fraction = cost, program.anatomy.bubble_fraction
+    candidate.roles = collective_roles(program)
+    candidate.peak_bytes = cost.peak_bytes
+    candidate.param_bytes, candidate.optimizer_bytes = cost.param_bytes, cost.optimizer_bytes
+    candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes
+    candidate.num_collectives, candidate.num_kernels = cost.num_collectives, cost.num_kernels
+    return candidate, program
+
+
+def collective_roles(program) -> list[list[str]]:
+    """Per stage, the role of each collective of `program_cost`'s `stage_collectives`."""
+    return [
+        classify([c for part in stage for c in part_collectives(part)], program.anatomy.placements, program.mesh)
+        for stage in program.anatomy.stages
+    ]
 
 
 def price(
@@ -226,7 +261,9 @@ def price(
                 candidate.error = str(err)
                 priced.append(candidate)
                 continue
-            candidate.comm_seconds = comm_seconds(candidate.cost, profile, candidate.mesh_shape, across)
+            candidate.comm_seconds = comm_seconds(
+                candidate.cost, profile, candidate.mesh_shape, across, candidate.compute_seconds, candidate.roles
+            )
         priced.append(candidate)
     return priced
 

@@ -4,6 +4,14 @@ speed-up, efficiency, where step time goes, and a verdict on whether scaling out
 jaxcnn scale                                  # dp on 1,2,4,8 devices, bundled digits
 jaxcnn scale --layout hybrid --devices 2,4,8 --steps 40
 jaxcnn scale --synthetic 64x64x3 --batch-size 32 --weak   # batch grows with devices
+jaxcnn scale --simulate 8,64,256 --layouts dp,fsdp,hybrid --model resnet50 \
+    --synthetic 224x224x3 --num-classes 1000 --batch-size 128 --weak --out results/simulate_resnet50.csv
+
+`--simulate N[,N...]` compiles the train step for meshes of N simulated devices and runs
+nothing (jaxcnn.analysis.simulate): memory, FLOPs and every collective per device read
+from each compiled program, beside the analytic model's bytes and the planner's modelled
+step on `--hardware` hosts of `--devices-per-host`. It writes --out, the collectives to
+the same name ending `_collectives.csv`, and --plot.
 
 Timing uses the real input pipeline (host batches prefetched and placed with their
 sharding), so `input_wait_fraction` is measured. The communication share is *modelled*
@@ -35,9 +43,59 @@ def parse_flags(argv=None):
     g.add_argument("--batch-size", type=int, default=64, help="global batch (per device with --weak)")
     g.add_argument("--weak", action="store_true", help="weak scaling: the global batch grows with the devices")
     g.add_argument("--steps", type=int, default=30, help="timed steps per size (the first is not counted)")
-    g.add_argument("--hardware", help="profile for the modelled communication share (default: by platform)")
+    g.add_argument(
+        "--hardware", help="profile for the modelled communication share (default: by platform; h100 with --simulate)"
+    )
+    g.add_argument("--simulate", type=cli.int_list, help="compile, not run, for these device counts, e.g. 8,64,256")
+    g.add_argument("--layouts", help="with --simulate: several layouts, comma-separated (default: --layout)")
+    g.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=8,
+        help="with --simulate: hosts of this many devices (default %(default)s)",
+    )
     cli.add_output_flags(g, out="runs/scaling.csv", plot="runs/scaling.png")
     return parser.parse_args(argv)
+
+
+def simulate_main(args) -> list[dict]:
+    """`--simulate`: compile for each device count, run nothing (module docstring)."""
+    from jaxcnn import plots, results
+    from jaxcnn.analysis.simulate import simulate
+    from jaxcnn.sharding import simulate_cpu_devices
+
+    counts = sorted(set(args.simulate))
+    if min(counts) < 1:
+        raise UserError("--simulate needs positive device counts, e.g. 8,64,256")
+    if args.devices_per_host < 1:
+        raise UserError(f"--devices-per-host must be at least 1, got {args.devices_per_host}")
+    layouts = cli.layouts_from_flag(args.layouts or args.layout)
+    out, plot = cli.writable_outputs(args.out, args.plot)
+    collectives_out = out.with_name(out.stem + "_collectives.csv") if out else None
+    cli.writable_outputs(collectives_out)
+    model_config = cli.model_from_flags(args)
+    profile = get_profile(args.hardware or "h100")
+    simulate_cpu_devices(max(counts), at_least=True)
+    shape, _ = cli.data_from_flags(args, model_config.num_classes)
+    rows, collective_rows = simulate(
+        model_config, shape, layouts, counts, lambda n: args.batch_size * n if args.weak else args.batch_size,
+        profile, args.devices_per_host, progress=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    print(f"\n{'layout':<8} {'devices':>7} {'compile':>8} {'peak MiB':>9} {'comm MiB':>9} {'model/compiled':>14} "
+          f"{'BN fwd B':>10} {'step ms':>8} {'efficiency':>10}")  # fmt: skip
+    for r in rows:
+        print(f"{r['layout']:<8} {r['num_devices']:>7} {r['compile_seconds']:7.1f}s {r['peak_bytes'] / 2**20:9,.0f} "
+              f"{r['comm_bytes'] / 2**20:9,.1f} {r['model_over_compiled']:14.3f} {r['forward_statistics_bytes_max']:10,} "
+              f"{r['step_seconds'] * 1e3:8.2f} {r['modelled_efficiency']:10.1%}")  # fmt: skip
+    print(f"modelled on {profile.name}, hosts of {args.devices_per_host} devices; nothing ran")
+    if out:
+        results.write_csv(out, rows)
+        results.write_csv(collectives_out, collective_rows)
+        print("wrote", out, collectives_out)
+    if plot:
+        title = f"{model_config.name}, {'weak' if args.weak else 'strong'} scaling, batch {args.batch_size}{' a device' if args.weak else ''}: compiled, not run"
+        print("wrote", plots.simulate_plot(rows, plot, title))
+    return rows
 
 
 def _profile_for(device, name):
@@ -51,6 +109,8 @@ def _profile_for(device, name):
 
 def main(argv=None) -> list[dict]:
     args = parse_flags(argv)
+    if args.simulate:
+        return simulate_main(args)
     import jax  # after the flags: --help and bad flags answer at once
 
     from jaxcnn import plots, results

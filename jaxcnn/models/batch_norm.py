@@ -40,6 +40,7 @@ from jaxcnn.sharding.partition import image_pieces, replicate_statistics
 
 WITHIN_PIECE = (1, 3, 5)  # of the activation split into pieces: (pb, b, ph, h, pw, w, C)
 STATISTICS_SCOPE = "batch_norm_statistics"  # names the collectives in the compiled program (analysis.lint)
+RUNNING_SCOPE = "running_averages"  # inside it: per-device statistics' reduction for the running averages only
 
 
 class BatchNorm(nnx.BatchNorm):
@@ -141,9 +142,10 @@ def _statistics(x, reference, pieces, axis_name, epsilon, local):
     moments = _piece_moments(x, pieces)
     if local:
         means, variances = moments[:, 0], moments[:, 1] / count
-        mean, var = means.mean(0), variances.mean(0)  # for the running averages only
-        if axis_name:
-            mean, var = jax.lax.pmean((mean, var), axis_name)
+        with jax.named_scope(RUNNING_SCOPE):  # nothing in the step waits for these
+            mean, var = means.mean(0), variances.mean(0)  # for the running averages only
+            if axis_name:
+                mean, var = jax.lax.pmean((mean, var), axis_name)
         return mean, var, _by_piece(means, pieces), _by_piece(jax.lax.rsqrt(variances + epsilon), pieces)
     if len(moments) == 1 and not axis_name:  # the whole batch on one device: exact two-pass
         mean, var = moments[0, 0], moments[0, 1] / count
