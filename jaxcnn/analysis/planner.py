@@ -11,12 +11,15 @@ peak memory (`memory_analysis`), FLOPs (`cost_analysis`), kernels launched and e
 collective (the HLO). Candidates over the memory budget are dropped; the rest are ranked by
 modelled step time, an alpha-beta (Hockney) model with the fixed costs a GPU pays:
 
-    step = FLOPs per device / peak FLOP/s  +  kernels x kernel_seconds
+    step = FLOPs per device / achieved FLOP/s  +  kernels x kernel_seconds
          + the collectives' exposed time (latency x hops + wire bytes / bandwidth)
 
-where a GPU cluster's collectives are those XLA:GPU and NCCL would run -- the parameters'
-combined and hidden behind compute, log-depth trees across hosts
-(jaxcnn.analysis.cluster_clock); jaxcnn.analysis.hardware gives each profile's figures. A candidate whose devices each do
+where achieved FLOP/s is the peak x the fraction of it a convolutional net's training step
+reaches on that hardware, calibrated on published ResNet-50 throughput (the peak itself
+for cpu-here, whose FLOP/s are measured), and a GPU cluster's collectives are those XLA:GPU
+and NCCL would run -- the parameters' combined and hidden behind compute, log-depth trees
+across hosts (jaxcnn.analysis.cluster_clock); jaxcnn.analysis.hardware gives each profile's
+figures and their sources. A candidate whose devices each do
 well over their share of the work (FLOPs per device above 1.5x the one-device program's /
 devices: spatial on images too small to split, tp's replicated layers) is named as
 redundant compute.
@@ -253,7 +256,8 @@ def price(
             share = candidate.devices if profile.shared_host else 1  # simulated devices share one host's FLOP/s
             stretch = 1 / (1 - candidate.bubble_fraction)  # (M+S-1)/M: a pipeline stage idles in the bubble
             candidate.compute_seconds = (
-                candidate.flops / (profile.flops(dtype) / share) + candidate.num_kernels * profile.kernel_seconds
+                candidate.flops / (profile.achieved_flops(dtype) / share)
+                + candidate.num_kernels * profile.kernel_seconds
             ) * stretch
             try:
                 across = across_hosts_of(candidate.mesh_shape, num_devices, hosts)
