@@ -45,6 +45,8 @@ def build_program(
     update: UpdateConfig | None = None,
     microbatches: int | None = None,
     stage_split: tuple[int, ...] | None = None,
+    pipeline_schedule: str = "gpipe",
+    virtual_stages: int = 1,
     compiler_options: dict | None = None,
     image_dtype: str = "float32",
     on_device: OnDevice | None = None,
@@ -56,8 +58,8 @@ def build_program(
     `with_eval` / `with_init` False skip compiling those (training without a test set;
     cost inspection and planning, which only read the train step). `update` picks the
     step's update rule (jaxcnn.steps: accumulation, local SGD, stale gradients);
-    `microbatches` and `stage_split` shape a pipeline. `compiler_options` replace
-    jaxcnn's XLA options for the steps (None: jaxcnn.compiling's for the platform).
+    `microbatches`, `stage_split`, `pipeline_schedule` and `virtual_stages` shape a
+    pipeline. `compiler_options` replace jaxcnn's XLA options for the steps (None: jaxcnn.compiling's for the platform).
     `image_dtype` is the batches' pixels: "float32" in [0, 1], or "uint8" (an image
     folder's bytes), scaled to [0, 1] inside every compiled step (jaxcnn.models.unit_pixels).
     `on_device` (jaxcnn.data.on_device) compiles steps that gather their batches from the
@@ -73,10 +75,15 @@ def build_program(
         )
     eval_batch_size = eval_batch_size or batch_size
     update = update or UpdateConfig()
-    check_layout_options(bool(layout.stage_axis), update, microbatches, stage_split)
+    check_layout_options(bool(layout.stage_axis), update, microbatches, stage_split, pipeline_schedule, virtual_stages)
     dims = ParallelDims(layout, dict(mesh.shape))
     if layout.stage_axis:
         microbatches = microbatches or default_microbatches(batch_size, dims.stages)
+        if virtual_stages > 1 and pipeline_schedule == "1f1b" and microbatches % dims.stages:
+            raise UserError(
+                f"interleaved 1F1B (--virtual-stages {virtual_stages}) runs micro-batches in groups of the "
+                f"{dims.stages} stages: use --microbatches a multiple of {dims.stages} (it is {microbatches})"
+            )
     dims.validate(
         batch_size, eval_batch_size=eval_batch_size, image_shape=image_shape, grad_accum=update.grad_accum,
         microbatches=microbatches,
@@ -93,7 +100,7 @@ def build_program(
                 f"a model of your own ({model_config.name}) runs under every layout but the pipeline, whose stages "
                 "are cut from jaxcnn's own layer descriptions"
             )
-        return build_pipeline_program(spec, microbatches, stage_split)
+        return build_pipeline_program(spec, microbatches, stage_split, pipeline_schedule, virtual_stages)
     return build_spmd_program(spec)
 
 

@@ -287,17 +287,31 @@ class TrainConfig:
         return parse_bytes(self.auto_batch) if self.auto_batch else None
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # jaxcnn.pipeline.schedule
+
+
 def check_layout_options(
-    pipeline: bool, update: UpdateConfig, microbatches: int | None, stage_split: tuple[int, ...] | None
+    pipeline: bool,
+    update: UpdateConfig,
+    microbatches: int | None,
+    stage_split: tuple[int, ...] | None,
+    schedule: str = "gpipe",
+    virtual_stages: int = 1,
 ) -> None:
     """The options that apply to the pipeline only, or to every layout but it."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise UserError(f"unknown --pipeline-schedule {schedule!r}; use one of {', '.join(PIPELINE_SCHEDULES)}")
+    if virtual_stages < 1:
+        raise UserError(f"--virtual-stages must be a positive integer, got {virtual_stages}")
     if pipeline and update != UpdateConfig():
         raise UserError(
             "--grad-accum, --sync, --staleness and --skip-nonfinite do not apply to --layout pipeline "
             "(its micro-batches already accumulate: use --microbatches)"
         )
-    if not pipeline and (microbatches or stage_split):
-        raise UserError("--microbatches and --stage-split apply to --layout pipeline only")
+    if not pipeline and (microbatches or stage_split or schedule != "gpipe" or virtual_stages != 1):
+        raise UserError(
+            "--microbatches, --stage-split, --pipeline-schedule and --virtual-stages apply to --layout pipeline only"
+        )
 
 
 def epoch_steps(train_size: int, config: TrainConfig) -> list[int]:

@@ -208,9 +208,8 @@ def fit(
                 if checkpointer is not None and checkpointer.due(
                     training_log.step, last=training_log.step == total, since=training_log.last_call_from
                 ):
-                    training_log.save(
-                        state, batches
-                    )  # at an epoch's end: after its row, so a resumed run's results hold it
+                    # at an epoch's end: after its row, so a resumed run's results hold it
+                    training_log.save(program.saved_form(state), batches)
                 if on_epoch is not None:
                     on_epoch(row, training_log.losses[first_in_epoch : first_in_epoch + count])
                 if on_terminal:
@@ -221,7 +220,7 @@ def fit(
                 saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
                 for target in saved:
                     if training_log.step not in target.steps():  # else saved at this very step already
-                        training_log.save(state, batches, target)
+                        training_log.save(program.saved_form(state), batches, target)
                 bar.close()
                 raise Interrupted(training_log.result(state, None), [c.directory for c in saved])
     finally:
@@ -326,7 +325,7 @@ def _train_epoch(
             training_log.collect(pending)  # never save a state that followed a non-finite loss
             pending.clear()
             older = 0
-            training_log.save(state, batches)
+            training_log.save(program.saved_form(state), batches)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
     stall = batches.take_stall_seconds()

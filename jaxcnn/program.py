@@ -160,6 +160,10 @@ class Anatomy:
     layer_groups: list[range] = field(default_factory=list)  # pipeline: the model's layers each stage holds
 
 
+def _same(state):
+    return state
+
+
 @dataclass
 class Program:
     """Everything compiled for one (model, layout, mesh, batch size): what a run calls,
@@ -176,6 +180,9 @@ class Program:
     compile_seconds: float  # XLA compiling every program (or reading the compile cache), wall clock
     lower_seconds: float  # tracing and lowering every program before that, wall clock
     abstract_state: Any = None  # ShapeDtypeStructs with shardings: what a checkpoint restores into
+    # the state as checkpoints hold it (a whole-model TrainState), and back: a pipeline's is per stage
+    saved_form: Callable[[Any], Any] = _same
+    from_saved: Callable[[Any], Any] = _same
     state_shardings: Any = None
     averaging: Any = None  # local SGD: a jaxcnn.steps.ReplicaAveraging, run after each step; else None
     calls: StepCalls | None = None  # several steps per call, data on the devices (SPMD); None: train_step alone
@@ -183,6 +190,7 @@ class Program:
     model_variables: Any = None
     record: dict = field(default_factory=dict)  # layout-specific result fields (the pipeline's stages)
     description: str = ""  # printed before training (the pipeline's stage table)
+    pipeline: Any = None  # the pipeline's jaxcnn.pipeline.schedule.ScheduleRunner: its timeline, what it held
     compile_timings: list = field(default_factory=list)  # jaxcnn.compiling.ProgramTiming per program
 
     @property

@@ -94,7 +94,7 @@ def start_state(program, checkpointer, resume: bool):
         return program.init(), None
     if jax.process_index() == 0:
         print(f"{PROG}: resuming from step {restored.step} ({checkpointer.directory})")
-    return restored.state, Resume.from_record(restored.record)
+    return program.from_saved(restored.state), Resume.from_record(restored.record)
 
 
 def fit_in_run_dir(
@@ -106,11 +106,10 @@ def fit_in_run_dir(
     run_dir: Path,
     checkpointer: Checkpointer | None,
     stop: StopRequests,
-    resumable: bool,
     device_data: tuple | None = None,
 ) -> Outcome:
     """Restore (--resume), make the run directory, fit with TensorBoard logging and saves
-    when stopped (`resumable`: a pipeline's state lives per stage and is not saved yet)."""
+    when stopped."""
     program = programs[train_config.batch_size]
     lead = jax.process_index() == 0
     resume_flag = config.checkpoint.resume
@@ -137,7 +136,7 @@ def fit_in_run_dir(
             runs.write_config(run_dir, config)
             rates = learning_rates(config.optim, train_config, len(loader.dataset))
             tensorboard = runs.TensorBoardLog(run_dir / runs.TENSORBOARD, rates)
-        if keep_on_interrupt is None and resumable:
+        if keep_on_interrupt is None:
             keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
         result = fit(
             programs, state, loader, test_set, train_config, progress=not config.output.quiet and lead,
@@ -160,8 +159,8 @@ def report_stop(config: RunConfig, run_dir: Path, outcome: Outcome, stop: StopRe
     """What a stop leaves, and the command that continues the run."""
     steps = outcome.result.steps
     if not outcome.saved_to:
-        print(f"{PROG}: stopped ({stop.reason}) at step {steps}: results so far in {run_dir}; a pipeline run's "
-              "state cannot be saved yet, so it cannot be resumed; exit 1", file=sys.stderr)  # fmt: skip
+        print(f"{PROG}: stopped ({stop.reason}) at step {steps}: results so far in {run_dir}; nothing was "
+              "saved, so it cannot be resumed; exit 1", file=sys.stderr)  # fmt: skip
         return
     again = ["jaxcnn", "train", "--resume", "--run-name", run_dir.name, "--results-dir", str(run_dir.parent)]
     if config.checkpoint.checkpoint_dir:

@@ -92,6 +92,7 @@ def _train(config: RunConfig, launch: Launch, stop: StopRequests, started: float
     programs = build_programs(
         config.model, config.optim, layout, mesh, train_set.image_shape, train_config, len(train_set),
         update=config.update, microbatches=config.parallel.microbatches, stage_split=config.parallel.stage_split,
+        pipeline_schedule=config.parallel.pipeline_schedule, virtual_stages=config.parallel.virtual_stages,
         image_dtype=train_set.images.dtype.name, on_device=on_device,
         steps_per_call=per_call if isinstance(per_call, int) else 1,
     )  # fmt: skip
@@ -108,8 +109,7 @@ def _train(config: RunConfig, launch: Launch, stop: StopRequests, started: float
         multihost_utils.sync_global_devices("jaxcnn: run directory checked")
     try:
         outcome = fit_in_run_dir(
-            config, programs, train_config, loader, test_set, run_dir, checkpointer, stop,
-            resumable=not layout.stage_axis, device_data=device_data,
+            config, programs, train_config, loader, test_set, run_dir, checkpointer, stop, device_data=device_data,
         )  # fmt: skip
         record = run_record(config, programs, train_config, outcome.result, loader, test_set)
         finished = outcome.result.extra["first_step_finished"]

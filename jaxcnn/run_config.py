@@ -92,6 +92,8 @@ class ParallelConfig:
     host_devices: int | None = None  # CPU devices to simulate (None: what the mesh needs)
     microbatches: int | None = None  # pipeline only
     stage_split: tuple[int, ...] | None = None  # pipeline only: each stage's first layer after the first
+    pipeline_schedule: str = "gpipe"  # pipeline only: jaxcnn.pipeline.schedule.SCHEDULES
+    virtual_stages: int = 1  # pipeline only: chunks of layers each stage holds
 
     def __post_init__(self):
         if not self.layout_rules and self.layout not in LAYOUT_NAMES:
@@ -211,12 +213,10 @@ class RunConfig:
         checkpoint, output = self.checkpoint, self.output
         parallel = self.parallel
         if not parallel.layout_rules:  # a rules table's stage axis is known once parsed: jaxcnn.build checks it
-            check_layout_options(parallel.named_pipeline, self.update, parallel.microbatches, parallel.stage_split)
-        if parallel.named_pipeline:
-            if checkpoint.checkpoint_dir:
-                raise UserError("--checkpoint-dir does not apply to --layout pipeline yet: its state lives per stage")
-            if checkpoint.resume:
-                raise UserError("--resume does not apply to --layout pipeline yet: its state lives per stage")
+            check_layout_options(
+                parallel.named_pipeline, self.update, parallel.microbatches, parallel.stage_split,
+                parallel.pipeline_schedule, parallel.virtual_stages,
+            )  # fmt: skip
         if checkpoint.resume and not (output.run_name or checkpoint.checkpoint_dir):
             raise UserError("--resume needs --run-name NAME, the run to continue (or --checkpoint-dir)")
         if checkpoint.resume and output.overwrite:

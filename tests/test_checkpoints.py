@@ -77,6 +77,39 @@ def test_resume_continues_exactly_and_onto_another_layout(tmp_path):
     assert any("model" in str(leaf.sharding.spec) for leaf in jax.tree.leaves(resharded.state.params))
 
 
+def test_a_pipeline_resumes_exactly_and_onto_dp_and_back(tmp_path):
+    """Its checkpoints hold the whole model's TrainState, the tree dp saves: a pipeline run
+    resumes bit for bit, dp continues it, and it continues dp (no batch norm, whose
+    statistics the pipeline takes per micro-batch: the layouts then train alike)."""
+    pipeline, dp = ["--layout", "pipeline", "--mesh", "data=4,stage=2"], ["--mesh", "data=8"]
+
+    def run(name, layout, directory, *flags):
+        return train(tmp_path, name, "--max-steps", "30", "--norm", "none", *layout,
+                     "--checkpoint-dir", str(tmp_path / directory), "--checkpoint-every", "10", *flags)  # fmt: skip
+
+    def copy_until(source, target, step):
+        subprocess.run(["cp", "-r", str(tmp_path / source), str(tmp_path / target)], check=True)
+        for later in range(step + 10, 31, 10):
+            subprocess.run(["rm", "-rf", str(tmp_path / target / str(later))], check=True)
+
+    full = run("full", pipeline, "a")
+    copy_until("a", "b", 20)
+    same = run("same", pipeline, "b", "--resume")
+    copy_until("a", "c", 10)
+    onto_dp = run("onto-dp", dp, "c", "--resume")  # steps 11-30 under dp, saving 20 and 30 as dp
+    copy_until("c", "d", 20)
+    back = run("back", pipeline, "d", "--resume")  # steps 21-30 under the pipeline again, from dp's state
+    assert (same["resumed_from_step"], onto_dp["resumed_from_step"], back["resumed_from_step"]) == (20, 10, 20)
+    assert same["loss_history"] == full["loss_history"]
+    np.testing.assert_allclose(onto_dp["loss_history"], full["loss_history"], rtol=1e-5)
+    np.testing.assert_allclose(back["loss_history"], full["loss_history"], rtol=1e-5)
+    config = replace(TINY_CONFIG, norm="none")
+    a, d = final_state(tmp_path / "a", config=config), final_state(tmp_path / "d", config=config)
+    assert a.step == d.step == 30
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(d.state), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
 def test_a_resumed_run_holds_every_epoch_and_reports_no_throughput_when_nothing_was_left(tmp_path, capsys):
     # a checkpoint every epoch's steps (the bundled digits at batch 256): both fall on an epoch's end
     per_epoch = len(bundled_digits()) // 256
@@ -157,9 +190,12 @@ KILL_SEED = 0  # draws step 20
 def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
     """SIGKILL mid-training, then --resume: on an image folder decoded and augmented by two
     grain workers, epochs of 3 steps and checkpoints every 5, so the run stops mid-epoch
-    and the loader must continue at the exact example (its position is in the checkpoint)."""
+    and the loader must continue at the exact example (its position is in the checkpoint).
+    Under the pipeline, whose state lives per stage: its checkpoints hold the whole model's
+    state, which dp's program restores below (dp's kill and restart: test_stopping)."""
     folder = write_folder(tmp_path / "images", per_class=40, size=(12, 10))
     flags = [*TINY, "--max-steps", "30", "--checkpoint-every", "5", "--results-dir", str(tmp_path / "runs"),
+             "--layout", "pipeline", "--mesh", "data=4,stage=2",
              "--data", str(folder), "--num-classes", "3", "--channels", "3",
              "--augment-shift", "1", "--augment-flip", "--input-workers", "2"]  # fmt: skip
     script = [sys.executable, str(REPO / "experiments/train.py")]

@@ -98,10 +98,6 @@ BAD_INPUT = {
         ["--batch-schedule", "0:64,1:100", "--epochs", "2"],
         "global batch of 100 is not divisible by mesh axes data=8",
     ),
-    "checkpoints with the pipeline": (
-        ["--layout", "pipeline", "--checkpoint-dir", lambda tmp: str(tmp / "ck")],
-        "--checkpoint-dir does not apply to --layout pipeline yet",
-    ),
     "bad flag before a missing file": (
         ["--input-workers", "-1", "--data", "nowhere.csv"],
         "--input-workers must be >= 0 and --prefetch >= 1, got -1 and 2",

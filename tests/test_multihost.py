@@ -77,14 +77,13 @@ def run_slurm_script(flags: list[str]) -> str:
 # the digits held in memory, launched as SLURM runs docs/clusters' one-task-per-node script, under
 # a table whose batch rows are not one span per process; hybrid (data across the processes, model within each) on an image folder, each process's rows
 # decoded and augmented in a grain worker of its own; dp on prepared shards (`jaxcnn prepare`),
-# each process cutting random resized crops of its rows
+# each process cutting random resized crops of its rows; the pipeline, its stages inside each
+# process, `data` across them
 @pytest.mark.parametrize(
     "layout_flags",
-    # (the pipeline across 2 CPU processes is left out: XLA:CPU's gloo collectives inside its stage
-    # programs fail now and then with a "collective mismatch" -- see docs/multi-host-and-reliability.md)
     [[*NOT_CONTIGUOUS, "slurm"], ["--layout", "hybrid", "--mesh", "data=2,model=2", *FOLDER],
-     ["--mesh", "data=4", *SHARDS]],
-    ids=["slurm-rows-not-contiguous", "hybrid-image-folder", "dp-shards"],
+     ["--mesh", "data=4", *SHARDS], ["--layout", "pipeline", "--mesh", "data=2,stage=2"]],
+    ids=["slurm-rows-not-contiguous", "hybrid-image-folder", "dp-shards", "pipeline-stages-in-a-process"],
 )  # fmt: skip
 def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path, layout_flags):
     """The global batches do not depend on the process count: each process decodes and

@@ -1,5 +1,6 @@
-"""GPipe: equal to one device step for step, gradients equal a sequential reference, each
-stage holding only its own parameters, and bad pipeline settings refused."""
+"""The pipeline: equal to one device step for step under GPipe, 1F1B and interleaved 1F1B,
+gradients equal a sequential reference, each stage holding only its own parameters and (1F1B)
+at most S micro-batches whatever M, the schedules' timelines, and bad settings refused."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from jaxcnn.data import load_csv
 from jaxcnn.errors import UserError
 from jaxcnn.fit import fit
 from jaxcnn.models import count_params, cross_entropy
+from jaxcnn.pipeline.schedule import Action, bubble_fraction, stage_orders, ticks, timeline_bubble
 from jaxcnn.pipeline.split import balance, check_stages_within_processes, default_microbatches, stage_groups
 from jaxcnn.sharding import build_mesh, get_layout
 from jaxcnn.sharding.mesh import device_grid
@@ -27,13 +29,13 @@ PIPELINE = get_layout("pipeline")
 _CACHE = {}
 
 
-def pipeline_run(mesh, microbatches, model=TINY_PLAIN, steps=STEPS):
-    key = (tuple(mesh.items()), microbatches, model, steps)
+def pipeline_run(mesh, microbatches, model=TINY_PLAIN, steps=STEPS, schedule="gpipe", virtual=1):
+    key = (tuple(mesh.items()), microbatches, model, steps, schedule, virtual)
     if key not in _CACHE:
         data = bundled_digits()
         program = build_program(
             model, OptimConfig(learning_rate=1e-2, warmup_steps=2), PIPELINE, build_mesh(mesh), data.image_shape, 32,
-            steps, microbatches=microbatches, with_eval=False,
+            steps, microbatches=microbatches, with_eval=False, pipeline_schedule=schedule, virtual_stages=virtual,
         )  # fmt: skip
         result = fit(
             program, program.init(), data, None, TrainConfig(batch_size=32, epochs=1, max_steps=steps), progress=False
@@ -150,6 +152,8 @@ def test_balanced_split_and_user_split():
             "a micro-batch of 2 (32/16) does not split over data=4",
         ),
         ({"stage_split": (3, 1)}, "--stage-split 3,1 must give 1 increasing layer indices"),
+        ({"virtual_stages": 3}, "2 stages x 3 virtual stages = 6 chunks needs at least 6 layers"),
+        ({"virtual_stages": 2, "pipeline_schedule": "1f1b", "microbatches": 1}, "use --microbatches a multiple of 2"),
     ],
 )
 def test_bad_pipeline_settings_are_refused(kwargs, message):
@@ -194,7 +198,7 @@ def test_train_script_runs_the_pipeline_and_records_it(tmp_path, capsys):
     accuracy, images = record["test_accuracy"], len(load_csv(REPO / "data/test.csv"))
     assert 0 <= accuracy <= 1 and accuracy * images == pytest.approx(round(accuracy * images), abs=1e-3)
     assert 0 < record["test_loss"] < float("inf")
-    assert "pipeline: 2 stages x 2 micro-batches of 16" in capsys.readouterr().out
+    assert "pipeline (gpipe): 2 stages x 2 micro-batches of 16" in capsys.readouterr().out
 
 
 def test_remat_and_bfloat16_reach_the_pipeline_stages():
@@ -207,6 +211,95 @@ def test_remat_and_bfloat16_reach_the_pipeline_stages():
     hlo = "\n".join(part.compiled.as_text() for stage in bf16[2].anatomy.stages for part in stage)
     assert any("bf16" in line and "convolution" in line for line in hlo.splitlines())
     np.testing.assert_allclose(bf16[0], plain[0], rtol=3e-2)
+    # activations cross the stage boundary in the compute dtype: half the bytes
+    sent = lambda run: run[2].record["bytes_between_stages_per_step"]  # noqa: E731
+    assert sent(bf16) * 2 == sent(plain)
+    assert bf16[2].pipeline.programs[1]["x_sharding"] is not None
+    assert "bf16" in bf16[2].pipeline.programs[1]["last"].as_text().split("ENTRY")[1].splitlines()[0]
+
+
+SCHEDULE_CASES = [("1f1b", 1, {"stage": 2}, 4), ("1f1b", 1, {"data": 2, "stage": 2}, 8),
+                  ("1f1b", 2, {"stage": 2}, 4), ("gpipe", 2, {"stage": 2}, 4)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual", "mesh", "microbatches"), SCHEDULE_CASES, ids=[f"{c[0]}-V{c[1]}" for c in SCHEDULE_CASES]
+)
+def test_1f1b_and_interleaved_train_like_gpipe_and_one_device(single, schedule, virtual, mesh, microbatches):
+    """The same micro-batches and gradients, summed in another order: per-step losses equal
+    GPipe's and one device's (rtol 1e-5); V = 2 puts two non-neighbouring chunks on each stage."""
+    losses, state, program = pipeline_run(mesh, microbatches, schedule=schedule, virtual=virtual)
+    gpipe = pipeline_run(mesh, microbatches)[0]
+    np.testing.assert_allclose(losses, gpipe, rtol=1e-5)
+    np.testing.assert_allclose(losses, single[0], rtol=1e-5)
+    assert len(state.stages) == mesh["stage"] * virtual == len(program.anatomy.layer_groups)
+    stage_of = [{d for leaf in jax.tree.leaves(st.params) for d in leaf.sharding.device_set} for st in state.stages]
+    for c, devices in enumerate(stage_of):  # chunk c on stage c mod S
+        assert devices == stage_of[c % mesh["stage"]]
+    assert program.record["timeline_bubble_fraction"] == pytest.approx(program.anatomy.bubble_fraction)
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_a_step_runs_compiled_programs_and_transfers_only(monkeypatch, virtual):
+    """No eager op per step (the accumulators' zeros, the step's key, the step count and the
+    metrics are inside compiled programs): nothing reaches JAX's eager evaluation."""
+    _, state, program = pipeline_run({"stage": 2}, 4, schedule="1f1b", virtual=virtual, steps=2)
+    x, y = program.train_input.place(*(a[:32] for a in (bundled_digits().images, bundled_digits().labels)))
+    eager = []
+    process = jax._src.core.EvalTrace.process_primitive
+    monkeypatch.setattr(
+        jax._src.core.EvalTrace, "process_primitive", lambda *a, **k: eager.append(a[1].name) or process(*a, **k)
+    )
+    state, metrics = program.train_step(state, x, y)
+    jax.block_until_ready((state, metrics))
+    assert eager == [] and set(metrics) == {"loss", "accuracy"} and int(state.step) == 3
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_activations_held_in_flight_follow_the_schedule(schedule):
+    """What each stage holds between a micro-batch's forward and its backward (inputs,
+    output gradients), measured as the step runs, in micro-batches: GPipe's last stage holds
+    all M; under 1F1B no stage holds more than S, whatever M."""
+    stages = 2
+
+    def held(m):  # per stage: its peak bytes / one micro-batch's bytes there
+        runner = pipeline_run({"stage": stages}, m, schedule=schedule, steps=2)[2].pipeline
+        last = len(runner.programs) - 1
+        one = [p["x_bytes"] + (p["y_bytes"] if c < last else 0) for c, p in enumerate(runner.programs)]
+        return [peak / size for peak, size in zip(runner.peak_held_bytes, one, strict=True)]
+
+    four, eight = held(4), held(8)
+    if schedule == "gpipe":
+        assert (four[-1], eight[-1]) == (4, 8)
+    else:
+        assert four == eight and all(0 < n <= stages for n in eight)
+
+
+@pytest.mark.parametrize(("schedule", "stages", "virtual", "m"), [("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8),
+                         ("1f1b", 4, 2, 8), ("1f1b", 2, 3, 6), ("gpipe", 3, 2, 5), ("1f1b", 4, 1, 2)])  # fmt: skip
+def test_each_schedule_runs_every_action_once_in_dependency_order_with_the_formulas_bubble(
+    schedule, stages, virtual, m
+):
+    orders = stage_orders(schedule, stages, virtual, m)
+    timeline = ticks(orders, stages * virtual)
+    issued = [a for tick in timeline for a in tick if a is not None]
+    chunks = stages * virtual
+    assert sorted(issued) == sorted(Action(k, c, i) for k in "FB" for c in range(chunks) for i in range(m))
+    when = {a: t for t, tick in enumerate(timeline) for a in tick if a is not None}
+    for a in issued:
+        assert when[a] % 1 == 0 and a.chunk % stages == next(g for g, o in enumerate(orders) if a in o)
+        if a.kind == "F" and a.chunk:
+            assert when[Action("F", a.chunk - 1, a.microbatch)] < when[a]
+        if a.kind == "B":
+            assert when[Action("F", a.chunk, a.microbatch)] < when[a]
+            if a.chunk < chunks - 1:
+                assert when[Action("B", a.chunk + 1, a.microbatch)] < when[a]
+    assert timeline_bubble(timeline) == pytest.approx(bubble_fraction(stages, m, virtual))
+    if schedule == "1f1b" and virtual == 1:  # stage s: S-s-1 warm-up forwards, then one forward, one backward
+        for g, order in enumerate(orders):
+            warm = min(stages - g - 1, m)
+            first = ["F"] * (warm + 1) + ["B"] if warm < m else ["F"] * m + ["B"]
+            assert [a.kind for a in order[: len(first)]] == first
 
 
 @pytest.mark.parametrize(

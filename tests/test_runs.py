@@ -245,8 +245,10 @@ def _train_process(*flags):
 
 
 def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(tmp_path):
+    """Under the pipeline, whose state lives per stage (saved as the whole model's: the
+    SPMD layouts' stops are test_stopping's)."""
     flags = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "32", "--epochs", "5",
-             "--host-devices", "2", "--mesh", "data=2", "--results-dir", str(tmp_path)]  # fmt: skip
+             "--host-devices", "2", "--layout", "pipeline", "--mesh", "stage=2", "--results-dir", str(tmp_path)]  # fmt: skip
     reference = _train_process(*flags, "--run-name", "ref")  # beside the run to stop: the cores overlap them
     run = _train_process(*flags, "--run-name", "run")
     seen = []

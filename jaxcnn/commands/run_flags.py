@@ -21,6 +21,7 @@ from jaxcnn.config import (
     NORM_STATISTICS,
     NORMS,
     OPTIMIZERS,
+    PIPELINE_SCHEDULES,
     REMAT_NAMES,
     REMAT_POLICIES,
     RESNETS,
@@ -181,6 +182,20 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
         type=int_list,
         help="pipeline: first layer (a ResNet: unit, the stem 0, blocks 1..N) of each stage after the first, "
         "e.g. 2,4 (default: balanced by FLOPs)",
+    )
+    g.add_argument(
+        "--pipeline-schedule",
+        choices=PIPELINE_SCHEDULES,
+        default="gpipe",
+        help="pipeline: gpipe (every forward, then every backward) or 1f1b (one forward, one backward in turn: "
+        "at most S micro-batches held a stage, whatever M)",
+    )
+    g.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        help="pipeline: chunks of layers each stage holds, not neighbours (with 1f1b: interleaved 1F1B, bubble "
+        "(S-1)/(V*M+S-1))",
     )
     g.add_argument(
         "--print-shardings",

@@ -29,10 +29,19 @@ from jaxcnn import platform_choices
 from jaxcnn.compiling import Compilation, kernel_record
 from jaxcnn.models import build_model, cross_entropy, resolve_kernels, unit_pixels
 from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
-from jaxcnn.pipeline.schedule import GPipe, StageState, bubble_fraction
+from jaxcnn.pipeline.schedule import (
+    PipelineState,
+    ScheduleRunner,
+    StageState,
+    bubble_fraction,
+    stage_orders,
+    ticks,
+    timeline_bubble,
+)
 from jaxcnn.pipeline.split import Stage, check_stages_within_processes, stage_groups, sub_meshes
+from jaxcnn.pipeline.state import StateForms
 from jaxcnn.program import Anatomy, CompiledPart, Program, ProgramSpec
-from jaxcnn.saved_model import ModelVariables, flat_variables, path_key
+from jaxcnn.saved_model import ModelVariables, flat_variables
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import DP
 from jaxcnn.sharding.partition import (
@@ -45,21 +54,32 @@ from jaxcnn.sharding.partition import (
 from jaxcnn.sharding.placement import BatchPlacement
 
 
-def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tuple[int, ...] | None) -> Program:
-    """Per-stage programs on the stages' sub-meshes, run by the GPipe schedule (sizes
-    validated by jaxcnn.build; `stage_split` None: balanced by FLOPs)."""
+def build_pipeline_program(
+    spec: ProgramSpec,
+    microbatches: int,
+    stage_split: tuple[int, ...] | None,
+    schedule: str = "gpipe",
+    virtual_stages: int = 1,
+) -> Program:
+    """Per-chunk programs on the stages' sub-meshes (S x V chunks, chunk c on stage c mod S),
+    run in `schedule`'s order (jaxcnn.pipeline.schedule; sizes validated by jaxcnn.build;
+    `stage_split` None: balanced by FLOPs)."""
     # a pipeline always compiles init, and has no update rule but its micro-batches (jaxcnn.build checks)
     layout, mesh, image_shape, seed = spec.layout, spec.mesh, spec.image_shape, spec.seed
     batch_size, eval_batch_size, with_eval = spec.batch_size, spec.eval_batch_size, spec.with_eval
     platform = mesh.devices.flat[0].platform
     model_config = resolve_kernels(spec.model_config, platform)
     num_stages = mesh.shape[layout.stage_axis]
-    groups = stage_groups(model_config, image_shape, num_stages, stage_split)
+    chunks = num_stages * virtual_stages
+    groups = stage_groups(model_config, image_shape, num_stages, stage_split, virtual_stages)
     m = microbatches
     micro = batch_size // m
-    meshes = sub_meshes(mesh, layout.stage_axis)
+    meshes = [sub_meshes(mesh, layout.stage_axis)[c % num_stages] for c in range(chunks)]  # chunk c's devices
     check_stages_within_processes(meshes, mesh, layout.stage_axis)
+    timeline = ticks(stage_orders(schedule, num_stages, virtual_stages, m), chunks)
     data_ways = math.prod(meshes[0].shape.values())
+    # activations cross stages in the compute dtype (bfloat16 halves the bytes sent)
+    act_dtype = jnp.dtype(model_config.dtype)
     tx = make_optimizer(spec.optim_config, spec.total_steps)
     pixels = jnp.dtype(spec.image_dtype)  # stage 0's input; uint8 is scaled in its programs (unit_pixels)
     start = time.perf_counter()
@@ -91,13 +111,13 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     # activation shapes between stages: trace each stage on one micro-batch
     shape = jax.ShapeDtypeStruct((micro, *image_shape), jnp.float32)
     act_shapes = []
-    for s in range(num_stages):
+    for s in range(chunks):
         gd = graphdefs[s]
         shape = jax.eval_shape(
             lambda p, st, x, gd=gd: nnx.merge(gd, p, st)(x, train=False), stages[s].params, stages[s].stats, shape
         )
         act_shapes.append(shape)
-        act_bytes.append(math.prod(shape.shape) * shape.dtype.itemsize)
+        act_bytes.append(math.prod(shape.shape) * act_dtype.itemsize)
 
     def on(sub: Mesh, shape_tuple):
         logical = ax.IMAGE_BHWC if len(shape_tuple) == 4 else ax.FEATURES_BF
@@ -114,9 +134,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         x = unit_pixels(x) if s == 0 else x
         with activation_layout(DP, meshes[s]):
             y = model(x, train=train, rngs=nnx.Rngs(dropout=key) if train else None)
-        # activations cross stages in float32, so every stage program has one signature
-        # whatever --dtype computes in (bfloat16 would halve the bytes sent; not done yet)
-        return y.astype(jnp.float32), nnx.state(model, nnx.Not(nnx.Param))
+        return y.astype(act_dtype), nnx.state(model, nnx.Not(nnx.Param))
 
     # The global batch arrives split over `data` in contiguous rows, so micro-batch i would
     # sit on one device. Once per step it is regrouped as [M, micro, ...] with each
@@ -148,7 +166,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         return jax.tree.map(jnp.add, acc, dp), dx
 
     def last_backward(params, stats, x, labels, mb, key, acc, totals):
-        s = num_stages - 1
+        s = chunks - 1
         xin, y = micro_input(s, x, mb), jax.lax.dynamic_index_in_dim(labels, mb, keepdims=False)
 
         def loss_fn(p, xi):
@@ -165,6 +183,19 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     def update(params, opt_state, grads):
         return apply_optimizer(tx, grads, opt_state, params)
 
+    def update_last(params, opt_state, grads, totals):
+        params, opt_state = apply_optimizer(tx, grads, opt_state, params)
+        return params, opt_state, {"loss": totals[0], "accuracy": totals[1] / batch_size}
+
+    def zeros(s):
+        """The gradient accumulator (on the last chunk with the loss and correct totals)."""
+        acc = jax.tree.map(jnp.zeros_like, stages[s].params)
+        return (acc, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))) if s == chunks - 1 else acc
+
+    def step_key(rng, step):
+        """This step's dropout key (every layout's: fold_in(rng, step)) and the next step."""
+        return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), step)), step + 1
+
     programs, lowered = [], {}
     key_sds = lambda s: jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep[s])  # noqa: E731
     mb_sds = lambda s: jax.ShapeDtypeStruct((), jnp.int32, sharding=rep[s])  # noqa: E731
@@ -173,11 +204,11 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         params_sds, stats_sds = with_shardings(stages[s].params, sh.params), with_shardings(stages[s].stats, sh.stats)
         in_shape = (m, micro, *image_shape) if s == 0 else act_shapes[s - 1].shape
         x_sh = grouped_images if s == 0 else on(sub, in_shape)
-        x_sds = jax.ShapeDtypeStruct(in_shape, pixels if s == 0 else jnp.float32, sharding=x_sh)
+        x_sds = jax.ShapeDtypeStruct(in_shape, pixels if s == 0 else act_dtype, sharding=x_sh)
         y_sh = on(sub, act_shapes[s].shape)
-        dy_sds = jax.ShapeDtypeStruct(act_shapes[s].shape, jnp.float32, sharding=y_sh)
+        dy_sds = jax.ShapeDtypeStruct(act_shapes[s].shape, act_dtype, sharding=y_sh)
         prog = {}
-        if s < num_stages - 1:
+        if s < chunks - 1:
             prog["forward"] = (
                 jax.jit(lambda p, st, x, mb, k, s=s: forward(s, p, st, x, mb, jax.random.wrap_key_data(k)),
                         out_shardings=(y_sh, sh.stats))
@@ -200,20 +231,33 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
                 .lower(params_sds, stats_sds, x_sds, labels_sds, mb_sds(s), key_sds(s), params_sds, totals_sds)
             )  # fmt: skip
         opt_sds = with_shardings(stages[s].opt_state, sh.opt_state)
-        prog["update"] = jax.jit(update, out_shardings=(sh.params, sh.opt_state), donate_argnums=(0, 1)).lower(
-            params_sds, opt_sds, params_sds
-        )
+        if s < chunks - 1:
+            prog["update"] = jax.jit(update, out_shardings=(sh.params, sh.opt_state), donate_argnums=(0, 1)).lower(
+                params_sds, opt_sds, params_sds
+            )
+            prog["zeros"] = jax.jit(lambda s=s: zeros(s), out_shardings=sh.params).lower()
+        else:
+            prog["update"] = jax.jit(
+                update_last, out_shardings=(sh.params, sh.opt_state, rep[s]), donate_argnums=(0, 1)
+            ).lower(params_sds, opt_sds, params_sds, totals_sds)
+            prog["zeros"] = jax.jit(lambda s=s: zeros(s), out_shardings=(sh.params, (rep[s], rep[s]))).lower()
+        if s == 0:
+            step_sds = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep[0])
+            prog["step_key"] = jax.jit(step_key, out_shardings=(rep[0], rep[0])).lower(key_sds(0), step_sds)
         if with_eval:
             e_shape = (eval_batch_size, *image_shape) if s == 0 else (eval_batch_size, *act_shapes[s - 1].shape[1:])
             e_sh = eval_image_sh if s == 0 else on(sub, e_shape)
-            e_sds = jax.ShapeDtypeStruct(e_shape, pixels if s == 0 else jnp.float32, sharding=e_sh)
+            e_sds = jax.ShapeDtypeStruct(e_shape, pixels if s == 0 else act_dtype, sharding=e_sh)
             e_out = (eval_batch_size, *act_shapes[s].shape[1:])
             prog["eval"] = jax.jit(
                 lambda p, st, x, s=s: apply(s, p, st, x, False, None)[0], out_shardings=on(sub, e_out)
             ).lower(params_sds, stats_sds, e_sds)
         prog["init"] = jax.jit(lambda s=s: init_stage(s), out_shardings=sh).lower()
         lowered.update({(s, name): low for name, low in prog.items()})
-        programs.append({"x_sharding": x_sh, "y_sharding": y_sh, "eval_x_sharding": e_sh if with_eval else None})
+        programs.append({
+            "x_sharding": x_sh, "y_sharding": y_sh, "eval_x_sharding": e_sh if with_eval else None,
+            "x_bytes": act_bytes[s - 1] // data_ways if s > 0 else 0, "y_bytes": act_bytes[s] // data_ways,
+        })  # fmt: skip
 
     def eval_loss(logits, labels, mask):
         predictions = jnp.argmax(logits, -1)
@@ -221,7 +265,7 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
 
     logits_sds = jax.ShapeDtypeStruct(
         (eval_batch_size, model_config.num_classes),
-        jnp.float32,
+        act_dtype,
         sharding=on(last, (eval_batch_size, model_config.num_classes)),
     )
     vec = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=eval_vec_sh)
@@ -249,14 +293,27 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
     lower_seconds = time.perf_counter() - start - compilation.seconds  # building the stages and lowering
 
     serial = platform == "cpu" and jax.process_count() > 1
-    schedule = GPipe(programs, rep, m, batch_size, seed, group_images, group_labels, eval_tail, serial)
-    per_step = [[*(CompiledPart(name, prog[name], m, data_ways, False) for name in PER_MICROBATCH if name in prog),
-                 CompiledPart("update", prog["update"], 1, data_ways)] for prog in programs]  # fmt: skip
+    runner = ScheduleRunner(programs, rep, m, seed, group_images, group_labels, eval_tail, timeline, serial)
+    scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=rep[0])  # noqa: E731
+    abstract_stages = PipelineState(
+        scalar(jnp.int32),
+        tuple(StageState(with_shardings(st.params, sh.params), with_shardings(st.stats, sh.stats),
+                         with_shardings(st.opt_state, sh.opt_state)) for st, sh in zip(stages, shardings, strict=True)),
+        scalar(jnp.uint32, (2,)),
+    )  # fmt: skip
+    forms = StateForms.of(model_config, image_shape, groups)
+    per_step = [
+        [part for c in range(g, chunks, num_stages) for part in (
+            *(CompiledPart(name, programs[c][name], m, data_ways, False) for name in PER_MICROBATCH if name in programs[c]),
+            CompiledPart("update", programs[c]["update"], 1, data_ways))]
+        for g in range(num_stages)
+    ]  # fmt: skip
+    per_stage = lambda per_chunk: [sum(per_chunk[g::num_stages]) for g in range(num_stages)]  # noqa: E731
     program = Program(
         spec=spec,
-        init=schedule.init,
-        train_step=schedule.train_step,
-        eval_step=schedule.eval_step,
+        init=runner.init,
+        train_step=runner.train_step,
+        eval_step=runner.eval_step,
         train_input=BatchPlacement(
             images=jax.ShapeDtypeStruct((batch_size, *image_shape), pixels, sharding=image_sh),
             labels=jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sh),
@@ -270,11 +327,11 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
             stages=per_step,
             placements=placements,
             compute_placements=placements,
-            stage_param_bytes=param_bytes,
-            stage_optimizer_bytes=opt_bytes,
+            stage_param_bytes=per_stage(param_bytes),
+            stage_optimizer_bytes=per_stage(opt_bytes),
             boundary_bytes=[2 * m * b // data_ways for b in act_bytes[:-1]],  # activations forward, gradients back
-            boundary_transfers=2 * m if num_stages > 1 else 0,
-            bubble_fraction=bubble_fraction(num_stages, m),
+            boundary_transfers=2 * m if chunks > 1 else 0,
+            bubble_fraction=bubble_fraction(num_stages, m, virtual_stages),
             microbatches=m,
             layer_groups=groups,
         ),
@@ -282,40 +339,31 @@ def build_pipeline_program(spec: ProgramSpec, microbatches: int, stage_split: tu
         compile_seconds=compilation.seconds,
         lower_seconds=lower_seconds,
         compile_timings=compilation.timings,
+        abstract_state=forms.whole(abstract_stages),
+        saved_form=forms.whole,
+        from_saved=lambda state: forms.stages(state, like=abstract_stages),
     )
     program.record = {
-        "stages": [list(g) for g in groups],
+        "stages": [list(g) for g in groups],  # per chunk (chunk c on stage c mod S)
         "microbatches": m,
+        "pipeline_schedule": schedule,
+        "virtual_stages": virtual_stages,
         "bubble_fraction": program.anatomy.bubble_fraction,
+        "timeline_bubble_fraction": timeline_bubble(timeline),
         "stage_param_bytes_per_device": param_bytes,
         "stage_optimizer_bytes_per_device": opt_bytes,
         "bytes_between_stages_per_step": 2 * m * sum(act_bytes[:-1]),  # whole arrays, every boundary
         "kernels": kernel_record(model_config, step_options),
     }
-    program.description = describe(program, groups, m)
-    program.model_variables = stage_paths_to_model(model_config, image_shape, groups)
+    program.description = describe(program, groups, m, schedule, virtual_stages)
+
+    def model_variables(state: PipelineState) -> ModelVariables:
+        whole = forms.whole(state)
+        return ModelVariables(flat_variables(whole.params), flat_variables(whole.model_state))
+
+    program.model_variables = model_variables
+    program.pipeline = runner
     return program
-
-
-def stage_paths_to_model(model_config, image_shape, groups: list[range]):
-    """(PipelineState) -> the whole model's arrays by the model's own paths: stage s names a
-    layer "units/0/conv/kernel", the model "blocks/3/conv/kernel". The names are matched by
-    the Variable objects a Stage shares with the model it is cut from."""
-    model = nnx.eval_shape(lambda: build_model(model_config, image_shape, 0))
-    model_path = {id(v): path_key(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
-    renames = [
-        {path_key(p): model_path[id(v)] for p, v in nnx.iter_graph(Stage(model, group)) if isinstance(v, nnx.Variable)}
-        for group in groups
-    ]
-
-    def model_variables(state) -> ModelVariables:
-        params, stats = {}, {}
-        for rename, stage in zip(renames, state.stages, strict=True):
-            params.update({rename[k]: v for k, v in flat_variables(stage.params).items()})
-            stats.update({rename[k]: v for k, v in flat_variables(stage.stats).items()})
-        return ModelVariables(params, stats)
-
-    return model_variables
 
 
 # The stage programs a training step runs once per micro-batch (update runs once).
@@ -327,19 +375,21 @@ def with_shardings(tree, shardings):
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree, shardings)
 
 
-def describe(program: Program, groups: list[range], microbatches: int) -> str:
+def describe(program: Program, groups: list[range], microbatches: int, schedule: str, virtual: int) -> str:
     """The stage table printed before a pipeline run."""
     anatomy = program.anatomy
     whole = sum(anatomy.stage_param_bytes)
+    stages = len(anatomy.stage_param_bytes)
+    chunks = f" x {virtual} virtual" if virtual > 1 else ""
+    formula = "(S-1)/(V*M+S-1)" if virtual > 1 else "(S-1)/(M+S-1)"
     lines = [
-        f"pipeline: {len(groups)} stages x {microbatches} micro-batches of "
-        f"{program.batch_size // microbatches}; bubble (S-1)/(M+S-1) = {anatomy.bubble_fraction:.1%}"
+        f"pipeline ({schedule}): {stages} stages{chunks} x {microbatches} micro-batches of "
+        f"{program.batch_size // microbatches}; bubble {formula} = {anatomy.bubble_fraction:.1%}"
     ]
-    for s, (group, pb, ob) in enumerate(
-        zip(groups, anatomy.stage_param_bytes, anatomy.stage_optimizer_bytes, strict=True)
-    ):
+    for s, (pb, ob) in enumerate(zip(anatomy.stage_param_bytes, anatomy.stage_optimizer_bytes, strict=True)):
+        layers = ", ".join(f"{g.start}-{g.stop - 1}" for g in groups[s::stages])
         lines.append(
-            f"  stage {s}: layers {group.start}-{group.stop - 1}, parameters {pb:,} B per device "
+            f"  stage {s}: layers {layers}, parameters {pb:,} B per device "
             f"({pb / whole:.0%} of the model's {whole:,} B), optimizer {ob:,} B"
         )
     lines.append(f"  between stages: {program.record['bytes_between_stages_per_step']:,} B per step")

@@ -1,25 +1,31 @@
-"""The GPipe schedule: the host issues each stage's compiled programs in order.
+"""The pipeline's schedules: the order in which the host issues each stage's compiled programs.
 
-Stage s's programs run on its own devices (jaxcnn.pipeline.program compiles them);
-activations travel to the next stage's devices (`to_stage`: each process moves its own
-shards, so stages inside a host and `data` across hosts run on several processes), and
-JAX's asynchronous dispatch lets every stage's devices run at once:
+The model is cut into C = S x V chunks (S stages, V virtual stages a stage: chunk c runs on
+stage c mod S's devices, so a stage holds V non-neighbouring chunks when V > 1). Each
+schedule is a list of actions per stage -- F(c, i), chunk c's forward of micro-batch i, and
+B(c, i), its backward (recomputing the forward: remat, as in the GPipe paper; the last
+chunk's F and B are one program, its loss between them):
 
-    forward:  tick t = 0 .. M+S-2, stage s runs micro-batch t-s   (M+S-1 ticks)
-    backward: the same ticks in reverse, each stage recomputing its forward (remat, as
-              in the GPipe paper) and adding its gradient to an accumulator
-    update:   one optimizer step per stage (Adam is element-wise: the same as one global step)
+    gpipe: every forward, then every backward (V > 1: looped, chunk by chunk)
+    1f1b:  stage s runs S-s-1 warm-up forwards, then one forward and one backward in turn,
+           then drains (Narayanan et al. 2021, PipeDream-Flush; Megatron's default); each
+           micro-batch's input and output gradient are released after its backward, so a
+           stage holds at most S micro-batches in flight, whatever M is
+    V > 1 with 1f1b: Megatron's interleaved 1F1B (micro-batches in groups of S, chunk by chunk)
 
-Each stage idles (S-1)/(M+S-1) of its time: the bubble.
+The lists are merged into one issue order in lockstep ticks (each stage issues its next
+action once what it needs was issued in an earlier tick); JAX's asynchronous dispatch then
+runs every stage's devices at once, each in that order. The ticks are the schedule's
+timeline, the bubble read from it: (S-1)/(V*M+S-1) of each stage's time idle when forward
+and backward take alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -28,18 +34,100 @@ from jax.sharding import NamedSharding
 
 class StageState(NamedTuple):
     params: nnx.State
-    stats: nnx.State  # batch-norm running statistics of this stage's layers
+    stats: nnx.State  # batch-norm running statistics of this chunk's layers
     opt_state: optax.OptState
 
 
 class PipelineState(NamedTuple):
     step: jax.Array  # on stage 0's devices
-    stages: tuple[StageState, ...]
+    stages: tuple[StageState, ...]  # one per chunk
     rng: jax.Array
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+class Action(NamedTuple):
+    kind: str  # "F" forward, "B" backward
+    chunk: int
+    microbatch: int
+
+
+def stage_orders(schedule: str, stages: int, virtual: int, microbatches: int) -> list[list[Action]]:
+    """Each stage's actions in the order it runs them. (The last chunk's F(c, i) stands for
+    the first half of its one program, which runs at its B(c, i).)"""
+    return [_stage_order(schedule, g, stages, virtual, microbatches) for g in range(stages)]
+
+
+def _stage_order(schedule: str, g: int, stages: int, virtual: int, m: int) -> list[Action]:
+    if schedule == "gpipe":  # looped over the stage's chunks when V > 1 (breadth first)
+        chunks = [v * stages + g for v in range(virtual)]
+        return [Action("F", c, i) for c in chunks for i in range(m)] + [
+            Action("B", c, i) for c in reversed(chunks) for i in reversed(range(m))
+        ]
+    # 1F1B: the k-th forward and k-th backward of this stage. Interleaved (Megatron): micro-batches
+    # in groups of S, each group through the stage's chunks in turn (backwards: the last chunk first).
+    total = m * virtual
+
+    def chunk(k: int, backward: bool) -> int:
+        v = (k // stages) % virtual
+        return (virtual - 1 - v if backward else v) * stages + g
+
+    def micro(k: int) -> int:
+        return (k // (stages * virtual)) * stages + k % stages
+
+    warm = min((stages - g - 1) * (2 if virtual > 1 else 1) + (virtual - 1) * stages, total)
+    forwards = [Action("F", chunk(k, False), micro(k)) for k in range(total)]
+    backwards = [Action("B", chunk(k, True), micro(k)) for k in range(total)]
+    order = forwards[:warm]
+    for k in range(total - warm):
+        order += [forwards[warm + k], backwards[k]]
+    return order + backwards[total - warm :]
+
+
+def ticks(orders: list[list[Action]], chunks: int) -> list[list[Action | None]]:
+    """The stages' orders merged into lockstep ticks: tick t holds each stage's action (or
+    None: idle), issued once what it needs came from actions of earlier ticks."""
+    last, done, position, out = chunks - 1, set(), [0] * len(orders), []
+
+    def ready(a: Action) -> bool:
+        if a.kind == "F":
+            return a.chunk == 0 or ("F", a.chunk - 1, a.microbatch) in done
+        after = a.chunk == last or ("B", a.chunk + 1, a.microbatch) in done
+        return after and ("F", a.chunk, a.microbatch) in done
+
+    while any(p < len(o) for p, o in zip(position, orders, strict=True)):
+        tick = []
+        for g, order in enumerate(orders):
+            a = order[position[g]] if position[g] < len(order) else None
+            tick.append(a if a is not None and ready(a) else None)
+        if not any(tick):
+            raise RuntimeError(f"the pipeline schedule deadlocks at tick {len(out)}")
+        for g, a in enumerate(tick):
+            if a is not None:
+                position[g] += 1
+                done.add(tuple(a))
+        out.append(tick)
+    return out
+
+
+def timeline_bubble(timeline: list[list[Action | None]]) -> float:
+    """The stages' idle share of the timeline (a forward and a backward a tick each)."""
+    busy = sum(a is not None for tick in timeline for a in tick)
+    return 1 - busy / (len(timeline) * len(timeline[0]))
+
+
+def put_whole(value, target: NamedSharding) -> jax.Array:
+    """A host value (the same on every process) whole on each of `target`'s devices, built
+    shard by shard: nothing runs on the devices. (`jax.device_put(value, target)` with
+    `target` spanning processes first checks every process gave the same value -- a program
+    with an all-gather on all of this process's devices. XLA:CPU keys one gloo communicator
+    per device set, every all-gather in one slot, and PJRT:CPU does not order that program
+    after the stage programs (one device of each process), so its all-gather could race a
+    stage's and two processes pair different ones: gloo's "collective mismatch".)"""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
 
 
 def to_stage(x: jax.Array, target: NamedSharding) -> jax.Array:
@@ -60,27 +148,33 @@ def to_stage(x: jax.Array, target: NamedSharding) -> jax.Array:
 
 
 @dataclass
-class GPipe:
-    """Runs one optimizer step (or an evaluation) through the stages' compiled programs.
+class ScheduleRunner:
+    """Runs one optimizer step (or an evaluation) through the chunks' compiled programs in
+    the schedule's order (`timeline`, from `ticks`).
 
-    `programs[s]` holds stage s's compiled "init", "update", "eval" and either "forward"
-    and "backward" or, on the last stage, "last" (its forward, loss and backward in one),
-    plus the shardings its inputs arrive in ("x_sharding", "y_sharding" for the gradient
-    sent back, "eval_x_sharding")."""
+    `programs[c]` holds chunk c's compiled "init", "zeros" (its gradient accumulator, on the
+    last chunk with the loss totals), "update" (on the last chunk also the step's metrics),
+    "eval" and either "forward" and "backward" or, on the last chunk, "last" (its forward,
+    loss and backward in one); chunk 0's also "step_key" ((rng, step) -> (this step's key
+    data, step + 1)); plus the shardings its inputs arrive in ("x_sharding", "y_sharding"
+    for the gradient sent back, "eval_x_sharding") and the bytes a device holds of one
+    micro-batch's input and output gradient ("x_bytes", "y_bytes")."""
 
     programs: list[dict]
-    replicated: list[NamedSharding]  # per stage: its devices, every array whole
+    replicated: list[NamedSharding]  # per chunk: its stage's devices, every array whole
     microbatches: int
-    batch_size: int
     seed: int
     group_images: Any  # compiled: global batch -> [M, micro, ...], each micro-batch split over data
     group_labels: Any
     eval_tail: Any  # compiled: (logits, labels, mask) -> (loss_sum, correct_sum, predictions)
-    # One computation at a time -- every program, transfer and eager op finished before the
-    # next starts: XLA:CPU's cross-process collectives (gloo) fail with a "collective
-    # mismatch" when two programs on different device sets run theirs at once (seen on 2
-    # processes x 2 CPU devices); GPUs' (NCCL: a communicator per device set) do not.
+    timeline: list[list[Action | None]]
+    # One computation at a time -- every program and transfer finished before the next
+    # starts (several CPU processes: jaxcnn.pipeline.program sets it, a caution beside
+    # put_whole, which removed the cause of the gloo mismatches seen there)
     serial: bool = False
+    # per stage: the most bytes of micro-batch inputs and output gradients a device held at
+    # once in the last step (what the schedule keeps in flight, beside the programs' own)
+    peak_held_bytes: list[int] = field(default_factory=list)
 
     def _run(self, program, *args):
         return self._done(program(*args))
@@ -91,69 +185,75 @@ class GPipe:
         return out
 
     def __post_init__(self):
-        self.stages = len(self.programs)
-        self.indices = [  # micro-batch i's index, on stage s's devices (from the host: every process gives it)
-            [jax.device_put(np.int32(i), rep) for i in range(self.microbatches)] for rep in self.replicated
+        self.chunks, self.stages = len(self.programs), len(self.timeline[0])
+        self.order = [a for tick in self.timeline for a in tick if a is not None]
+        self.indices = [  # micro-batch i's index, on chunk c's devices (from the host: every process gives it)
+            [put_whole(np.int32(i), rep) for i in range(self.microbatches)] for rep in self.replicated
         ]
 
     def init(self) -> PipelineState:
         rep = self.replicated[0]
-        rng = jax.device_put(np.asarray(jax.random.key_data(jax.random.key(self.seed + 1))), rep)
-        return PipelineState(
-            jax.device_put(np.zeros((), np.int32), rep), tuple(p["init"]() for p in self.programs), rng
-        )
+        rng = put_whole(jax.random.key_data(jax.random.key(self.seed + 1)), rep)
+        return PipelineState(put_whole(np.zeros((), np.int32), rep), tuple(p["init"]() for p in self.programs), rng)
 
     def train_step(self, state: PipelineState, images, labels):
-        programs, m, n, rep, mbs = self.programs, self.microbatches, self.stages, self.replicated, self.indices
+        programs, mbs, n, last = self.programs, self.indices, self.stages, self.chunks - 1
         images, labels = self._run(self.group_images, images), self._run(self.group_labels, labels)
-        step_key = self._done(
-            jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
-        )
-        keys = self._done([to_stage(step_key, r) for r in rep])
+        step_key, step = self._run(programs[0]["step_key"], state.rng, state.step)
+        on_stage = [step_key] + [self._done(to_stage(step_key, self.replicated[g])) for g in range(1, n)]
+        keys = [on_stage[c % n] for c in range(self.chunks)]
         stats = [st.stats for st in state.stages]
-        inputs = [[None] * m for _ in range(n)]  # what stage s received for micro-batch i
-        for t in range(m + n - 1):  # forward ticks
-            for s in range(n):
-                i = t - s
-                if not 0 <= i < m:
+        params = [st.params for st in state.stages]
+        grads = [self._run(p["zeros"]) for p in programs]
+        grads[last], totals = grads[last]
+        inputs = [{} for _ in range(self.chunks)]  # chunk c's input of micro-batch i, kept for its backward
+        douts = [{} for _ in range(self.chunks)]  # the gradient chunk c's output of micro-batch i received
+        held, peak = [0] * n, [0] * n
+
+        def hold(c, amount):
+            held[c % n] += amount
+            peak[c % n] = max(peak[c % n], held[c % n])
+
+        for a in self.order:
+            c, i = a.chunk, a.microbatch
+            if a.kind == "F":
+                if c == last:  # its forward runs inside its backward program
                     continue
-                x = images if s == 0 else inputs[s][i]
-                inputs[s][i] = x
-                if s < n - 1:
-                    y, stats[s] = self._run(
-                        programs[s]["forward"], state.stages[s].params, stats[s], x, mbs[s][i], keys[s]
-                    )
-                    inputs[s + 1][i] = self._done(to_stage(y, programs[s + 1]["x_sharding"]))
-        grads = self._done([jax.tree.map(jnp.zeros_like, st.params) for st in state.stages])
-        totals = self._done((jax.device_put(np.float32(0), rep[-1]), jax.device_put(np.int32(0), rep[-1])))
-        douts: list[list] = [[None] * m for _ in range(n)]
-        for t in range(m + n - 1):  # backward ticks, last stage first
-            for s in reversed(range(n)):
-                i = m - 1 - (t - (n - 1 - s))
-                if not 0 <= i < m:
-                    continue
-                p = state.stages[s].params
-                if s == n - 1:
-                    grads[s], dx, stats[s], totals = self._run(
-                        programs[s]["last"], p, stats[s], inputs[s][i], labels, mbs[s][i], keys[s], grads[s], totals
-                    )
-                else:
-                    grads[s], dx = self._run(
-                        programs[s]["backward"], p, stats[s], inputs[s][i], mbs[s][i], keys[s], douts[s][i], grads[s]
-                    )
-                if s > 0:
-                    douts[s - 1][i] = self._done(to_stage(dx, programs[s - 1]["y_sharding"]))
-        new_stages = []
-        for s, st in enumerate(state.stages):
-            params, opt_state = self._run(programs[s]["update"], st.params, st.opt_state, grads[s])
-            new_stages.append(StageState(params, stats[s], opt_state))
-        metrics = self._done({"loss": totals[0], "accuracy": totals[1] / self.batch_size})
-        return PipelineState(self._done(state.step + 1), tuple(new_stages), state.rng), metrics
+                x = images if c == 0 else inputs[c][i]
+                y, stats[c] = self._run(programs[c]["forward"], params[c], stats[c], x, mbs[c][i], keys[c])
+                inputs[c + 1][i] = self._done(to_stage(y, programs[c + 1]["x_sharding"]))
+                hold(c + 1, programs[c + 1]["x_bytes"])
+                continue
+            x = images if c == 0 else inputs[c].pop(i)
+            if c == last:
+                grads[c], dx, stats[c], totals = self._run(
+                    programs[c]["last"], params[c], stats[c], x, labels, mbs[c][i], keys[c], grads[c], totals
+                )
+            else:
+                grads[c], dx = self._run(
+                    programs[c]["backward"], params[c], stats[c], x, mbs[c][i], keys[c], douts[c].pop(i), grads[c]
+                )
+                hold(c, -programs[c]["y_bytes"])
+            if c > 0:
+                hold(c, -programs[c]["x_bytes"])
+                douts[c - 1][i] = self._done(to_stage(dx, programs[c - 1]["y_sharding"]))
+                hold(c - 1, programs[c - 1]["y_bytes"])
+        self.peak_held_bytes = peak
+        new_stages, metrics = [], None
+        for c, st in enumerate(state.stages):
+            if c == last:
+                new_params, opt_state, metrics = self._run(
+                    programs[c]["update"], st.params, st.opt_state, grads[c], totals
+                )
+            else:
+                new_params, opt_state = self._run(programs[c]["update"], st.params, st.opt_state, grads[c])
+            new_stages.append(StageState(new_params, stats[c], opt_state))
+        return PipelineState(step, tuple(new_stages), state.rng), metrics
 
     def eval_step(self, state: PipelineState, images, labels, mask):
         x = images
-        for s, st in enumerate(state.stages):
-            if s > 0:
-                x = self._done(to_stage(x, self.programs[s]["eval_x_sharding"]))
-            x = self._run(self.programs[s]["eval"], st.params, st.stats, x)
+        for c, st in enumerate(state.stages):
+            if c > 0:
+                x = self._done(to_stage(x, self.programs[c]["eval_x_sharding"]))
+            x = self._run(self.programs[c]["eval"], st.params, st.stats, x)
         return self._run(self.eval_tail, x, labels, mask)

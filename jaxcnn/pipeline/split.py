@@ -49,20 +49,25 @@ def balance(costs: list[float], stages: int) -> tuple[int, ...]:
     return best[(stages, n)][1][1:]
 
 
-def stage_groups(config: ModelConfig, image_shape, stages: int, split: tuple[int, ...] | None) -> list[range]:
+def stage_groups(
+    config: ModelConfig, image_shape, stages: int, split: tuple[int, ...] | None, virtual: int = 1
+) -> list[range]:
+    """The model's units cut into stages x virtual chunks (chunk c runs on stage c mod S)."""
     costs = unit_costs(config, image_shape)
-    units = len(costs)
-    if stages > units:
+    units, chunks = len(costs), stages * virtual
+    if chunks > units:
+        what = f"{stages} stages" if virtual == 1 else f"{stages} stages x {virtual} virtual stages = {chunks} chunks"
+        fewer = f"--mesh stage={units}" if virtual == 1 else f"--virtual-stages {max(units // stages, 1)}"
         raise UserError(
-            f"a pipeline of {stages} stages needs at least {stages} layers, but {config.name} has {units} "
-            f"(a ResNet's stem, each residual block and its head count one each); use --mesh stage={units} or fewer"
+            f"a pipeline of {what} needs at least {chunks} layers, but {config.name} has {units} "
+            f"(a ResNet's stem, each residual block and its head count one each); use {fewer} or fewer"
         )
     if split is None:
-        split = balance(costs, stages)
-    elif len(split) != stages - 1 or list(split) != sorted(set(split)) or not all(0 < c < units for c in split):
+        split = balance(costs, chunks)
+    elif len(split) != chunks - 1 or list(split) != sorted(set(split)) or not all(0 < c < units for c in split):
         raise UserError(
-            f"--stage-split {','.join(map(str, split))} must give {stages - 1} increasing layer indices "
-            f"between 1 and {units - 1} (the first layer -- for a ResNet the first block -- of each later stage)"
+            f"--stage-split {','.join(map(str, split))} must give {chunks - 1} increasing layer indices "
+            f"between 1 and {units - 1} (the first layer -- for a ResNet the first block -- of each later chunk)"
         )
     edges = (0, *split, units)
     return [range(a, b) for a, b in itertools.pairwise(edges)]
