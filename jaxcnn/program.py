@@ -152,12 +152,15 @@ class Anatomy:
     compute_placements: list[ParamPlacement]  # parameters as used for compute (FSDP: gathered)
     stage_param_bytes: list[int]  # parameters + statistics per device, per stage
     stage_optimizer_bytes: list[int]
-    # pipeline: bytes per device per step sent across each stage boundary, and how many sends
+    # pipeline: per stage, bytes per device per step across the boundaries after its chunks
+    # (activations forward, gradients back), and how many sends a stage's boundaries make
     boundary_bytes: list[int] = field(default_factory=list)
-    boundary_transfers: int = 0  # per boundary per step: M activations forward, M gradients back
+    boundary_transfers: int = 0  # per step: M activations forward, M gradients back, per chunk
     bubble_fraction: float = 0.0  # pipeline: share of each stage's time it idles
     microbatches: int = 1  # pipeline: micro-batches a step streams through the stages
-    layer_groups: list[range] = field(default_factory=list)  # pipeline: the model's layers each stage holds
+    layer_groups: list[range] = field(default_factory=list)  # pipeline: the model's layers each chunk holds
+    # pipeline: per stage, the micro-batch inputs and output gradients its schedule holds at once
+    stage_held_bytes: list[int] = field(default_factory=list)
 
 
 def _same(state):

@@ -258,12 +258,15 @@ def test_a_step_runs_compiled_programs_and_transfers_only(monkeypatch, virtual):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_activations_held_in_flight_follow_the_schedule(schedule):
     """What each stage holds between a micro-batch's forward and its backward (inputs,
-    output gradients), measured as the step runs, in micro-batches: GPipe's last stage holds
-    all M; under 1F1B no stage holds more than S, whatever M."""
+    output gradients), measured as the step runs (and equal to what the planner reads from the
+    timeline), in micro-batches: GPipe's last stage holds all M; under 1F1B no stage holds more
+    than S, whatever M."""
     stages = 2
 
     def held(m):  # per stage: its peak bytes / one micro-batch's bytes there
-        runner = pipeline_run({"stage": stages}, m, schedule=schedule, steps=2)[2].pipeline
+        program = pipeline_run({"stage": stages}, m, schedule=schedule, steps=2)[2]
+        runner = program.pipeline
+        assert runner.peak_held_bytes == program.anatomy.stage_held_bytes  # as the planner computes it
         last = len(runner.programs) - 1
         one = [p["x_bytes"] + (p["y_bytes"] if c < last else 0) for c, p in enumerate(runner.programs)]
         return [peak / size for peak, size in zip(runner.peak_held_bytes, one, strict=True)]

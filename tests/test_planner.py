@@ -89,10 +89,22 @@ FORWARD_FLOPS = 2 * 32 * (8 * 8 * 9 * 1 * 8 + 4 * 4 * 9 * 8 * 16 + 64 * 32 + 32 
 
 def test_pipeline_candidates_are_compiled_and_ranked():
     """On 4 devices the planner compiles the pipeline on each stage count the model's layers
-    allow and costs it like any layout: the busiest stage's figures from its compiled
-    programs, priced by the alpha-beta model with the bubble, ranked and explained."""
+    allow, under each schedule, and costs it like any layout: the busiest stage's figures from
+    its compiled programs and the micro-batches its schedule holds, priced by the alpha-beta
+    model with the bubble, ranked and explained."""
     profile = AS_COMPILED
-    found = plan(TINY_PLAIN, (8, 8, 1), 32, 4, budget_bytes=1e12, profile=profile, layouts=["pipeline"])
+    every = plan(TINY_PLAIN, (8, 8, 1), 32, 4, budget_bytes=1e12, profile=profile, layouts=["pipeline"])
+    # interleaving on 4 stages takes micro-batches in groups of 4 (batch 32 gives M = 2 of 16)
+    (refused,) = [c for c in every if c.error is not None]
+    assert (refused.name, refused.mesh) == ("pipeline/1f1b x2", "data=1,stage=4") and "multiple of 4" in refused.error
+    named = {(c.name, c.mesh): c for c in every if c.error is None}
+    for mesh in ("data=2,stage=2", "data=1,stage=4"):  # the same programs, the same bubble: 1F1B holds fewer
+        gpipe, one_f_one_b = named[("pipeline/gpipe", mesh)], named[("pipeline/1f1b", mesh)]
+        assert (gpipe.flops, gpipe.bubble_fraction) == (one_f_one_b.flops, one_f_one_b.bubble_fraction)
+        assert one_f_one_b.peak_bytes <= gpipe.peak_bytes
+    interleaved, gpipe = named[("pipeline/1f1b x2", "data=2,stage=2")], named[("pipeline/gpipe", "data=2,stage=2")]
+    assert (interleaved.bubble_fraction, gpipe.bubble_fraction) == pytest.approx((1 / (2 * 2 + 1), 1 / 3))
+    found = [c for c in every if c.schedule == ("gpipe", 1)]
     by_mesh = {c.mesh: c for c in found}
     assert set(by_mesh) == {"data=2,stage=2", "data=1,stage=4"}
     four, two = by_mesh["data=1,stage=4"], by_mesh["data=2,stage=2"]
@@ -125,7 +137,7 @@ def test_pipeline_candidates_are_compiled_and_ranked():
             hops * profile.hop_seconds + c.wire_bytes / profile.link_bytes_per_second
         )
     assert [c.step_seconds for c in found] == sorted(c.step_seconds for c in found)
-    assert explain(found, 1e12).startswith(f"1. pipeline {found[0].mesh} ")
+    assert explain(every, 1e12).startswith(f"1. {every[0].name} {every[0].mesh} ")
 
 
 def test_compute_is_priced_at_the_calibrated_fraction_of_the_peak(candidates):

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax.numpy as jnp
+
 from jaxcnn.analysis.hlo import KINDS, ring_wire_bytes
 from jaxcnn.config import ModelConfig
 from jaxcnn.models import LayerShape, layer_shapes
@@ -226,16 +228,18 @@ def pipeline_summary(program: Program, config: ModelConfig, image_shape: tuple[i
     with a data axis of D > 1 each stage all-reduces its parameters' gradient once per
     micro-batch (M per step); every boundary carries each micro-batch's activation forward
     and its gradient back, 2 x M x micro x (the last layer's pooled output) x f / D."""
-    groups, m = program.anatomy.layer_groups, program.anatomy.microbatches
-    data_ways = program.mesh.size // len(groups)
+    groups, m = program.anatomy.layer_groups, program.anatomy.microbatches  # groups: per chunk
+    stages = len(program.anatomy.stage_param_bytes)
+    data_ways = program.mesh.size // stages
     layers, micro = layer_shapes(config, image_shape), program.batch_size // m
-    sent = []
-    for group in groups[:-1]:
+    itemsize = jnp.dtype(config.dtype).itemsize  # activations cross in the compute dtype
+    sent = [0] * stages  # stage s sends from each of its chunks but the last
+    for c, group in enumerate(groups[:-1]):
         last = [layer for layer in layers if layer.unit == group.stop - 1][-1]
         height, width = last.next_size
         size = height * width * last.features if last.kind == "conv" else last.features
-        sent.append(2 * m * micro * size * 4 // data_ways)
-    grads = [m * b for b in program.anatomy.stage_param_bytes] if data_ways > 1 else [0] * len(groups)
+        sent[c % stages] += 2 * m * micro * size * itemsize // data_ways
+    grads = [m * b for b in program.anatomy.stage_param_bytes] if data_ways > 1 else [0] * stages
     wire = [ring_wire_bytes("all-reduce", data_ways, g) for g in grads]
     return {"total": max(grads) + max(sent, default=0), "wire": max(wire) + max(sent, default=0)}
 

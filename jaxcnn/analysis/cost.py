@@ -130,12 +130,13 @@ class ProgramCost:
 def program_cost(program: Program) -> ProgramCost:
     anatomy = program.anatomy
     flops, temp, peak, found, kernels, count = [], [], [], [], [], 0
-    for stage, optimizer_bytes in zip(anatomy.stages, anatomy.stage_optimizer_bytes, strict=True):
+    held = anatomy.stage_held_bytes or [0] * len(anatomy.stages)  # a pipeline's micro-batches in flight
+    for stage, optimizer_bytes, in_flight in zip(anatomy.stages, anatomy.stage_optimizer_bytes, held, strict=True):
         analyses = [_analyses(part.compiled) for part in stage]
         flops.append(sum(part.calls * float(c.get("flops", 0.0)) for part, (_, c) in zip(stage, analyses, strict=True)))
         temp.append(max(m.temp_size_in_bytes for m, _ in analyses))
         # live bytes of each program, plus the optimizer state where it stays resident beside it
-        peak.append(max(
+        peak.append(in_flight + max(
             live_bytes(m) + (0 if part.takes_optimizer_state else optimizer_bytes)
             for part, (m, _) in zip(stage, analyses, strict=True)
         ))  # fmt: skip

@@ -56,6 +56,8 @@ REDUNDANT = 1.5  # FLOPs per device above this x the fair share: flagged
 # fsdp and tp together: only a rules table (docs/layouts.md)
 FSDP_TP = parse_rules("batch=data,params=data,conv_out=model,mlp=model", name="fsdp+tp")
 SIMPLICITY = {"single": 0, "dp": 1, "hybrid": 2, "fsdp": 3, "tp": 4, "fsdp+tp": 5, "spatial": 6, "pipeline": 7}
+# a pipeline mesh is priced under each schedule: (--pipeline-schedule, --virtual-stages)
+PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("1f1b", 2))
 
 
 @dataclass
@@ -76,6 +78,15 @@ class Candidate:
     cost: ProgramCost | None = None  # what the compiled program does, before any hardware prices it
     roles: list[list[str]] | None = None  # per stage, each collective's role (lint.classify): which can hide
     bubble_fraction: float = 0.0
+    schedule: tuple[str, int] | None = None  # a pipeline's (schedule, virtual stages)
+
+    @property
+    def name(self) -> str:
+        """The layout's name; a pipeline's with its schedule ("pipeline/1f1b", "pipeline/1f1b x2")."""
+        if self.schedule is None:
+            return self.layout.name
+        schedule, virtual = self.schedule
+        return f"{self.layout.name}/{schedule}" + (f" x{virtual}" if virtual > 1 else "")
 
     @property
     def step_seconds(self) -> float:
@@ -199,11 +210,16 @@ def compile_candidates(
     collectives, which no hardware profile changes; `price` turns them into seconds."""
     out = []
     max_stages = layer_shapes(model_config, image_shape)[-1].unit + 1
-    todo = [(lay, m) for lay, m in candidates_for(num_devices, max_stages) if layouts is None or lay.name in layouts]
-    for i, (layout, mesh_shape) in enumerate(todo):
+    todo = [
+        (lay, m, schedule)
+        for lay, m in candidates_for(num_devices, max_stages)
+        if layouts is None or lay.name in layouts
+        for schedule in (PIPELINE_SCHEDULES if lay.stage_axis else (None,))
+    ]
+    for i, (layout, mesh_shape, schedule) in enumerate(todo):
         if progress:
             progress(i, len(todo), layout, mesh_shape)
-        out.append(compile_candidate(model_config, image_shape, batch_size, layout, mesh_shape)[0])
+        out.append(compile_candidate(model_config, image_shape, batch_size, layout, mesh_shape, schedule)[0])
     total = min((c.flops * c.devices for c in out if c.cost is not None), default=0.0)  # the one-device work
     for c in out:
         if c.cost is not None and total:
@@ -212,16 +228,23 @@ def compile_candidates(
 
 
 def compile_candidate(
-    model_config: ModelConfig, image_shape: tuple[int, int, int], batch_size: int, layout: Layout, mesh_shape: dict
+    model_config: ModelConfig,
+    image_shape: tuple[int, int, int],
+    batch_size: int,
+    layout: Layout,
+    mesh_shape: dict,
+    schedule: tuple[str, int] | None = None,
 ):
-    """`(candidate, program)`: one layout on one mesh compiled for `batch_size` (not run);
-    on a size that does not divide, the candidate carries the error and the program is None."""
-    candidate = Candidate(layout, mesh_shape)
+    """`(candidate, program)`: one layout on one mesh (a pipeline under `schedule`: its
+    schedule and virtual stages) compiled for `batch_size` (not run); on a size that does not
+    divide, the candidate carries the error and the program is None."""
+    candidate = Candidate(layout, mesh_shape, schedule=schedule)
+    pipeline = {"pipeline_schedule": schedule[0], "virtual_stages": schedule[1]} if schedule else {}
     try:
         with quiet_fallbacks():
             program = build_program(
                 model_config, OptimConfig(), layout, build_mesh(mesh_shape), image_shape, batch_size, 1000,
-                with_eval=False, with_init=False,
+                with_eval=False, with_init=False, **pipeline,
             )  # fmt: skip
     except UserError as err:
         candidate.error = str(err)
@@ -279,7 +302,7 @@ def rank(candidates: list[Candidate], budget_bytes: float) -> list[Candidate]:
         best = fits[0].step_seconds
         tied = sorted(
             (c for c in fits if c.step_seconds <= best * (1 + TIE)),
-            key=lambda c: (c.devices, SIMPLICITY.get(c.layout.name, 9)),
+            key=lambda c: (c.devices, SIMPLICITY.get(c.layout.name, 9), c.schedule or ()),
         )
         fits = tied + [c for c in fits if c not in tied]
     over = sorted((c for c in ok if c.peak_bytes > budget_bytes), key=lambda c: c.peak_bytes)
@@ -296,19 +319,17 @@ def explain(candidates: list[Candidate], budget_bytes: float, top: int = 3) -> s
     if not fits:
         over = [c for c in candidates if c.error is None]
         if not over:
-            return "no layout could be compiled: " + "; ".join(
-                f"{c.layout.name} {c.mesh}: {c.error}" for c in candidates
-            )
+            return "no layout could be compiled: " + "; ".join(f"{c.name} {c.mesh}: {c.error}" for c in candidates)
         c = min(over, key=lambda c: c.peak_bytes)
         return (
-            f"no layout fits {_mib(budget_bytes)} per device. The smallest, {c.layout.name} on {c.mesh}, needs "
+            f"no layout fits {_mib(budget_bytes)} per device. The smallest, {c.name} on {c.mesh}, needs "
             f"{_mib(c.peak_bytes)}: {_mib(c.peak_bytes - budget_bytes)} ({c.peak_bytes / budget_bytes:.2f}x) over. "
             "Try more devices, a smaller batch, remat or bf16."
         )
     for i, c in enumerate(fits[:top], 1):
         comm_share = c.comm_seconds / c.step_seconds if c.step_seconds else 0.0
         lines.append(
-            f"{i}. {c.layout.name:<8} {c.mesh:<20} step {c.step_seconds * 1e3:8.3f} ms modelled "
+            f"{i}. {c.name:<8} {c.mesh:<20} step {c.step_seconds * 1e3:8.3f} ms modelled "
             f"(compute {c.compute_seconds * 1e3:.3f} ms, communication {c.comm_seconds * 1e3:.3f} ms = {comm_share:.0%}; "
             f"{c.num_collectives} collectives, {c.num_kernels} kernels; {c.devices} device{'s' * (c.devices > 1)})"
         )
@@ -320,15 +341,14 @@ def explain(candidates: list[Candidate], budget_bytes: float, top: int = 3) -> s
     if redundant:
         lines.append(
             "redundant compute (FLOPs per device over their share): "
-            + ", ".join(f"{c.layout.name} {c.mesh} {c.redundancy:.1f}x" for c in redundant)
+            + ", ".join(f"{c.name} {c.mesh} {c.redundancy:.1f}x" for c in redundant)
         )
     dropped = [c for c in candidates if c.error is None and c.peak_bytes > budget_bytes]
     if dropped:
         lines.append(
-            f"over budget ({len(dropped)}): "
-            + ", ".join(f"{c.layout.name} {c.mesh} {_mib(c.peak_bytes)}" for c in dropped)
+            f"over budget ({len(dropped)}): " + ", ".join(f"{c.name} {c.mesh} {_mib(c.peak_bytes)}" for c in dropped)
         )
     failed = [c for c in candidates if c.error is not None]
     if failed:
-        lines.append("not possible: " + "; ".join(f"{c.layout.name} {c.mesh} ({c.error})" for c in failed))
+        lines.append("not possible: " + "; ".join(f"{c.name} {c.mesh} ({c.error})" for c in failed))
     return "\n".join(lines)

@@ -85,7 +85,8 @@ def main(argv=None):
         )
         print(explain(candidates, budget, args.top))
         rows += [
-            {"hardware": profile.name, "rank": i + 1, "layout": c.layout.name, "mesh": c.mesh,
+            {"hardware": profile.name, "rank": i + 1, "layout": c.layout.name,
+             "pipeline_schedule": c.name.partition("/")[2] or None, "mesh": c.mesh,
              "fits": c.error is None and c.peak_bytes <= budget, "peak_bytes_per_device": c.peak_bytes,
              "param_bytes_per_device": c.param_bytes, "optimizer_bytes_per_device": c.optimizer_bytes,
              "devices": c.devices, "flops_per_device": c.flops, "redundancy": c.redundancy,

@@ -34,6 +34,7 @@ from jaxcnn.pipeline.schedule import (
     ScheduleRunner,
     StageState,
     bubble_fraction,
+    held_in_flight,
     stage_orders,
     ticks,
     timeline_bubble,
@@ -329,9 +330,13 @@ def build_pipeline_program(
             compute_placements=placements,
             stage_param_bytes=per_stage(param_bytes),
             stage_optimizer_bytes=per_stage(opt_bytes),
-            boundary_bytes=[2 * m * b // data_ways for b in act_bytes[:-1]],  # activations forward, gradients back
-            boundary_transfers=2 * m if chunks > 1 else 0,
+            # per stage, what it sends a step from its chunks (activations forward, gradients back)
+            boundary_bytes=per_stage([2 * m * b // data_ways for b in act_bytes[:-1]] + [0]),
+            boundary_transfers=2 * m * virtual_stages if chunks > 1 else 0,
             bubble_fraction=bubble_fraction(num_stages, m, virtual_stages),
+            stage_held_bytes=held_in_flight(
+                timeline, [p["x_bytes"] for p in programs], [p["y_bytes"] for p in programs]
+            ),
             microbatches=m,
             layer_groups=groups,
         ),

@@ -130,6 +130,26 @@ def put_whole(value, target: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
 
 
+def held_in_flight(timeline: list[list[Action | None]], x_bytes: list[int], y_bytes: list[int]) -> list[int]:
+    """Per stage, the most bytes of micro-batch inputs (`x_bytes[c]`, from the previous
+    chunk's forward to chunk c's backward) and output gradients (`y_bytes[c]`, from the next
+    chunk's backward to chunk c's) a device holds at once, were the timeline run tick by
+    tick: what the planner prices before anything runs (ScheduleRunner measures it as it runs)."""
+    stages, last = len(timeline[0]), len(x_bytes) - 1
+    held, peak = [0] * stages, [0] * stages
+    for tick in timeline:
+        for a in (a for a in tick if a is not None):
+            c = a.chunk
+            if a.kind == "F" and c < last:
+                held[(c + 1) % stages] += x_bytes[c + 1]
+            elif a.kind == "B":
+                held[c % stages] -= x_bytes[c] + (y_bytes[c] if c < last else 0)
+                if c > 0:
+                    held[(c - 1) % stages] += y_bytes[c - 1]
+            peak = [max(p, h) for p, h in zip(peak, held, strict=True)]
+    return peak
+
+
 def to_stage(x: jax.Array, target: NamedSharding) -> jax.Array:
     """`x`, on one stage's devices, laid out alike on another's (`target`: the same spec on a
     mesh of the same shape). Within one process a `device_put`; across several (JAX moves no
