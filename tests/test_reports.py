@@ -125,12 +125,29 @@ def test_plan_prints_ranked_choices_and_writes_every_candidate(tmp_path, capsys)
     assert (a100["step_seconds_model"] != v5e.loc[a100.index, "step_seconds_model"]).all()
 
 
+def test_pipeline_schedule_figure_and_micro_batches_in_flight(tmp_path):
+    """The timeline figure draws from the schedules alone (nothing compiles); GPipe's middle
+    and last stages hold all M micro-batches, 1F1B's at most S whatever M."""
+    from jaxcnn import plots
+
+    script = load_script("pipeline_schedules")
+    held = {}
+    for m in (4, 8):
+        shown = script.timelines(["gpipe", "1f1b", "interleaved"], 4, 2, m)
+        held[m] = [script.microbatches_in_flight(t, 4 * (2 if "V=" in name else 1)) for name, t in shown.items()]
+    assert held[4][0] == [1, 4, 4, 4] and held[8][0] == [1, 8, 8, 8]  # stage 0 holds gradients only
+    assert held[4][1] == held[8][1] and max(held[8][1]) <= 4
+    png = plots.pipeline_timeline_plot(shown, tmp_path / "timeline.png", "4 stages, 8 micro-batches")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 BAD_INPUT = [
     ("plan.py", ["--budget", "lots"], "cannot read 'lots' as a size"),
     ("plan.py", ["--hardware", "abacus"], "unknown hardware profile 'abacus'"),
     ("plan.py", ["--layouts", "dp,zero3"], "unknown layout 'zero3'"),
     ("compare_layouts.py", ["--layouts", "dp,zero", "--steps", "0"], "unknown layout 'zero'"),
     ("scaling.py", ["--layout", "hybrid", "--devices", "1,2"], "cannot fill 1 devices"),
+    ("pipeline_schedules.py", ["--models", "resnet18:32x32x3:8"], "needs at least 16 layers"),
 ]
 
 
