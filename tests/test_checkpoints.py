@@ -81,7 +81,7 @@ def test_a_pipeline_resumes_exactly_and_onto_dp_and_back(tmp_path):
     """Its checkpoints hold the whole model's TrainState, the tree dp saves: a pipeline run
     resumes bit for bit, dp continues it, and it continues dp (no batch norm, whose
     statistics the pipeline takes per micro-batch: the layouts then train alike)."""
-    pipeline, dp = ["--layout", "pipeline", "--mesh", "data=4,stage=2"], ["--mesh", "data=8"]
+    pipeline, dp = ["--layout", "pipeline", "--mesh", "data=2,stage=2"], ["--mesh", "data=4"]
 
     def run(name, layout, directory, *flags):
         return train(tmp_path, name, "--max-steps", "30", "--norm", "none", *layout,
@@ -195,7 +195,7 @@ def test_kill_at_a_random_step_and_resume_equals_an_uninterrupted_run(tmp_path):
     state, which dp's program restores below (dp's kill and restart: test_stopping)."""
     folder = write_folder(tmp_path / "images", per_class=40, size=(12, 10))
     flags = [*TINY, "--max-steps", "30", "--checkpoint-every", "5", "--results-dir", str(tmp_path / "runs"),
-             "--layout", "pipeline", "--mesh", "data=4,stage=2",
+             "--layout", "pipeline", "--host-devices", "2", "--mesh", "stage=2",
              "--data", str(folder), "--num-classes", "3", "--channels", "3",
              "--augment-shift", "1", "--augment-flip", "--input-workers", "2"]  # fmt: skip
     script = [sys.executable, str(REPO / "experiments/train.py")]

@@ -78,8 +78,8 @@ def test_an_older_runs_flat_config_json_still_reads():
          "give one"),
         (dict(parallel=ParallelConfig(layout="pipeline"), update=UpdateConfig(grad_accum=2)), "do not apply"),
         (dict(parallel=ParallelConfig(layout="dp", microbatches=2)), "apply to --layout pipeline only"),
-        (dict(parallel=ParallelConfig(layout="pipeline"), checkpoint=CheckpointConfig(checkpoint_dir="c")),
-         "--checkpoint-dir does not apply"),
+        (dict(parallel=ParallelConfig(layout="dp", pipeline_schedule="1f1b")), "apply to --layout pipeline only"),
+        (dict(parallel=ParallelConfig(layout="pipeline", pipeline_schedule="zb")), "unknown --pipeline-schedule"),
     ],
 )  # fmt: skip
 def test_what_the_parts_must_agree_on_is_refused(parts, message):

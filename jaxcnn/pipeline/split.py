@@ -57,10 +57,15 @@ def stage_groups(
     units, chunks = len(costs), stages * virtual
     if chunks > units:
         what = f"{stages} stages" if virtual == 1 else f"{stages} stages x {virtual} virtual stages = {chunks} chunks"
-        fewer = f"--mesh stage={units}" if virtual == 1 else f"--virtual-stages {max(units // stages, 1)}"
+        if virtual == 1:
+            fewer = f"--mesh stage={units} or fewer"
+        elif units // stages > 1:
+            fewer = f"--virtual-stages {units // stages} or fewer"
+        else:
+            fewer = f"--mesh stage={units // virtual} or fewer, or --virtual-stages 1"
         raise UserError(
             f"a pipeline of {what} needs at least {chunks} layers, but {config.name} has {units} "
-            f"(a ResNet's stem, each residual block and its head count one each); use {fewer} or fewer"
+            f"(a ResNet's stem, each residual block and its head count one each); use {fewer}"
         )
     if split is None:
         split = balance(costs, chunks)
