@@ -78,8 +78,8 @@ def test_resume_continues_exactly_and_onto_another_layout(tmp_path):
 
 
 def test_a_pipeline_resumes_exactly_and_onto_dp_and_back(tmp_path):
-    """Its checkpoints hold the whole model's TrainState, the tree dp saves: a pipeline run
-    resumes bit for bit, dp continues it, and it continues dp (no batch norm, whose
+    """Its checkpoints hold the whole model's TrainState, the tree dp saves: dp continues a
+    pipeline run, and the pipeline continues dp (no batch norm, whose
     statistics the pipeline takes per micro-batch: the layouts then train alike)."""
     pipeline, dp = ["--layout", "pipeline", "--mesh", "data=2,stage=2"], ["--mesh", "data=4"]
 
@@ -92,15 +92,12 @@ def test_a_pipeline_resumes_exactly_and_onto_dp_and_back(tmp_path):
         for later in range(step + 10, 31, 10):
             subprocess.run(["rm", "-rf", str(tmp_path / target / str(later))], check=True)
 
-    full = run("full", pipeline, "a")
-    copy_until("a", "b", 20)
-    same = run("same", pipeline, "b", "--resume")
+    full = run("full", pipeline, "a")  # (its bit-for-bit resume: the kill test below, and test_runs' Ctrl-C)
     copy_until("a", "c", 10)
     onto_dp = run("onto-dp", dp, "c", "--resume")  # steps 11-30 under dp, saving 20 and 30 as dp
     copy_until("c", "d", 20)
     back = run("back", pipeline, "d", "--resume")  # steps 21-30 under the pipeline again, from dp's state
-    assert (same["resumed_from_step"], onto_dp["resumed_from_step"], back["resumed_from_step"]) == (20, 10, 20)
-    assert same["loss_history"] == full["loss_history"]
+    assert (onto_dp["resumed_from_step"], back["resumed_from_step"]) == (10, 20)
     np.testing.assert_allclose(onto_dp["loss_history"], full["loss_history"], rtol=1e-5)
     np.testing.assert_allclose(back["loss_history"], full["loss_history"], rtol=1e-5)
     config = replace(TINY_CONFIG, norm="none")
