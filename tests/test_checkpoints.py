@@ -96,7 +96,8 @@ def test_a_pipeline_resumes_exactly_and_onto_dp_and_back(tmp_path):
     copy_until("a", "c", 10)
     onto_dp = run("onto-dp", dp, "c", "--resume")  # steps 11-30 under dp, saving 20 and 30 as dp
     copy_until("c", "d", 20)
-    back = run("back", pipeline, "d", "--resume")  # steps 21-30 under the pipeline again, from dp's state
+    # steps 21-30 under the pipeline again, from dp's state: interleaved, two chunks a stage
+    back = run("back", [*pipeline, "--pipeline-schedule", "1f1b", "--virtual-stages", "2"], "d", "--resume")
     assert (onto_dp["resumed_from_step"], back["resumed_from_step"]) == (10, 20)
     np.testing.assert_allclose(onto_dp["loss_history"], full["loss_history"], rtol=1e-5)
     np.testing.assert_allclose(back["loss_history"], full["loss_history"], rtol=1e-5)

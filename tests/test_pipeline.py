@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, TINY_PLAIN, bundled_digits, initialised, train_losses
+from conftest import REPO, TINY_BN_DROPOUT, TINY_PLAIN, bundled_digits, initialised, train_losses
 from test_mesh import FakeGPU
 
 from jaxcnn.analysis.measure import measure_layout
@@ -239,7 +239,19 @@ def test_1f1b_and_interleaved_train_like_gpipe_and_one_device(single, schedule, 
     stage_of = [{d for leaf in jax.tree.leaves(st.params) for d in leaf.sharding.device_set} for st in state.stages]
     for c, devices in enumerate(stage_of):  # chunk c on stage c mod S
         assert devices == stage_of[c % mesh["stage"]]
-    assert program.record["timeline_bubble_fraction"] == pytest.approx(program.anatomy.bubble_fraction)
+    stages, m = mesh["stage"], microbatches
+    assert program.anatomy.bubble_fraction == pytest.approx(bubble_fraction(stages, m, virtual))
+
+
+def test_batch_norm_and_dropout_train_alike_under_gpipe_and_1f1b():
+    """Every schedule runs each chunk's micro-batches in the same order (the last chunk's
+    backward, which updates its running statistics, too): the same losses and statistics."""
+    gpipe, one_f_one_b = (pipeline_run({"stage": 2}, 4, TINY_BN_DROPOUT, schedule=s) for s in ("gpipe", "1f1b"))
+    np.testing.assert_allclose(one_f_one_b[0], gpipe[0], rtol=1e-6)
+    for a, b in zip(
+        *(jax.tree.leaves([st.stats for st in run[1].stages]) for run in (gpipe, one_f_one_b)), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("virtual", [1, 2])

@@ -218,7 +218,7 @@ def compile_candidates(
     ]
     for i, (layout, mesh_shape, schedule) in enumerate(todo):
         if progress:
-            progress(i, len(todo), layout, mesh_shape)
+            progress(i, len(todo), layout, mesh_shape, schedule)
         out.append(compile_candidate(model_config, image_shape, batch_size, layout, mesh_shape, schedule)[0])
     total = min((c.flops * c.devices for c in out if c.cost is not None), default=0.0)  # the one-device work
     for c in out:

@@ -66,11 +66,9 @@ def main(argv=None):
     image_shape, _ = cli.data_from_flags(args, model_config.num_classes)
     simulate_cpu_devices(args.devices, at_least=True)  # compile for N devices; nothing runs on them
 
-    def progress(i, total, layout, mesh_shape):
-        print(
-            f"[{i + 1}/{total}] compiling {layout.name} on {format_mesh(mesh_shape)}",
-            flush=True,
-        )
+    def progress(i, total, layout, mesh_shape, schedule=None):
+        how = f" ({schedule[0]}{f', {schedule[1]} virtual stages' if schedule[1] > 1 else ''})" if schedule else ""
+        print(f"[{i + 1}/{total}] compiling {layout.name}{how} on {format_mesh(mesh_shape)}", flush=True)
 
     compiled = compile_candidates(
         model_config, image_shape, args.batch_size, args.devices, layouts=layouts, progress=progress
@@ -86,7 +84,8 @@ def main(argv=None):
         print(explain(candidates, budget, args.top))
         rows += [
             {"hardware": profile.name, "rank": i + 1, "layout": c.layout.name,
-             "pipeline_schedule": c.name.partition("/")[2] or None, "mesh": c.mesh,
+             "pipeline_schedule": c.schedule[0] if c.schedule else None,
+             "virtual_stages": c.schedule[1] if c.schedule else None, "mesh": c.mesh,
              "fits": c.error is None and c.peak_bytes <= budget, "peak_bytes_per_device": c.peak_bytes,
              "param_bytes_per_device": c.param_bytes, "optimizer_bytes_per_device": c.optimizer_bytes,
              "devices": c.devices, "flops_per_device": c.flops, "redundancy": c.redundancy,

@@ -333,7 +333,8 @@ def build_pipeline_program(
             # per stage, what it sends a step from its chunks (activations forward, gradients back)
             boundary_bytes=per_stage([2 * m * b // data_ways for b in act_bytes[:-1]] + [0]),
             boundary_transfers=2 * m * virtual_stages if chunks > 1 else 0,
-            bubble_fraction=bubble_fraction(num_stages, m, virtual_stages),
+            # the schedule's own idle share: the formula's but for looped GPipe with M < S
+            bubble_fraction=timeline_bubble(timeline),
             stage_held_bytes=held_in_flight(
                 timeline, [p["x_bytes"] for p in programs], [p["y_bytes"] for p in programs]
             ),
@@ -353,8 +354,8 @@ def build_pipeline_program(
         "microbatches": m,
         "pipeline_schedule": schedule,
         "virtual_stages": virtual_stages,
-        "bubble_fraction": program.anatomy.bubble_fraction,
-        "timeline_bubble_fraction": timeline_bubble(timeline),
+        "bubble_fraction": bubble_fraction(num_stages, m, virtual_stages),  # the formula's
+        "timeline_bubble_fraction": program.anatomy.bubble_fraction,
         "stage_param_bytes_per_device": param_bytes,
         "stage_optimizer_bytes_per_device": opt_bytes,
         "bytes_between_stages_per_step": 2 * m * sum(act_bytes[:-1]),  # whole arrays, every boundary
@@ -387,9 +388,13 @@ def describe(program: Program, groups: list[range], microbatches: int, schedule:
     stages = len(anatomy.stage_param_bytes)
     chunks = f" x {virtual} virtual" if virtual > 1 else ""
     formula = "(S-1)/(V*M+S-1)" if virtual > 1 else "(S-1)/(M+S-1)"
+    bubble, expected = anatomy.bubble_fraction, program.record["bubble_fraction"]
+    said = (
+        f"{formula} = {bubble:.1%}" if abs(bubble - expected) < 1e-9 else f"{bubble:.1%} ({formula} = {expected:.1%})"
+    )
     lines = [
         f"pipeline ({schedule}): {stages} stages{chunks} x {microbatches} micro-batches of "
-        f"{program.batch_size // microbatches}; bubble {formula} = {anatomy.bubble_fraction:.1%}"
+        f"{program.batch_size // microbatches}; bubble {said}"
     ]
     for s, (pb, ob) in enumerate(zip(anatomy.stage_param_bytes, anatomy.stage_optimizer_bytes, strict=True)):
         layers = ", ".join(f"{g.start}-{g.stop - 1}" for g in groups[s::stages])

@@ -64,7 +64,7 @@ def _stage_order(schedule: str, g: int, stages: int, virtual: int, m: int) -> li
     if schedule == "gpipe":  # looped over the stage's chunks when V > 1 (breadth first)
         chunks = [v * stages + g for v in range(virtual)]
         return [Action("F", c, i) for c in chunks for i in range(m)] + [
-            Action("B", c, i) for c in reversed(chunks) for i in reversed(range(m))
+            Action("B", c, i) for c in reversed(chunks) for i in range(m)
         ]
     # 1F1B: the k-th forward and k-th backward of this stage. Interleaved (Megatron): micro-batches
     # in groups of S, each group through the stage's chunks in turn (backwards: the last chunk first).
@@ -156,13 +156,15 @@ def to_stage(x: jax.Array, target: NamedSharding) -> jax.Array:
     array between device sets that span processes) each process copies its own shards to the
     devices at the same mesh positions -- its own too (jaxcnn.pipeline.split checks) -- and
     the next stage's global array is assembled from them."""
+    # (a copy even where `target` is where `x` already is: each chunk's arrays are donated
+    # to its own update, so two chunks of one stage must not share a buffer)
     if x.is_fully_addressable and target.is_fully_addressable:
-        return jax.device_put(x, target)
+        return jax.device_put(x, target, may_alias=False)
     position = {device: index for index, device in np.ndenumerate(x.sharding.mesh.devices)}
     moved = {}
     for shard in x.addressable_shards:
         destination = target.mesh.devices[position[shard.device]]
-        moved[destination] = jax.device_put(shard.data, destination)
+        moved[destination] = jax.device_put(shard.data, destination, may_alias=False)
     pieces = [moved[device] for device in target.addressable_devices_indices_map(x.shape)]
     return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
 

@@ -7,11 +7,11 @@ model's paths ("blocks/3/conv/kernel"), the same tree the SPMD layouts save -- s
 pipeline run resumes exactly, resumes onto dp or single, and they onto it (Orbax reshards
 each array into the sharding it is restored to).
 
-Both directions only rename and regroup the leaves: no array is copied or moved. Each
-stage's optimizer state has the whole model's structure (the same optax chain), its
-parameter-shaped parts `nnx.State`s of the stage's parameters; the scalars beside them (Adam's
-step count, the schedule's) are equal on every stage, and the whole model keeps the first
-stage's.
+Both directions rename and regroup the leaves; no parameter-shaped array is copied. Each
+chunk's optimizer state has the whole model's structure (the same optax chain), its
+parameter-shaped parts `nnx.State`s of the chunk's parameters; the scalars beside them (Adam's
+step count, the schedule's) are equal on every chunk: the whole model keeps the first
+chunk's, and a restore copies them to every chunk.
 """
 
 from __future__ import annotations
