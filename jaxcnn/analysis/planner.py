@@ -46,6 +46,7 @@ from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig
 from jaxcnn.errors import UserError
 from jaxcnn.models import layer_shapes
+from jaxcnn.pipeline.schedule import held_in_flight, stage_orders, ticks, timeline_bubble
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import LAYOUTS, Layout, parse_rules
 from jaxcnn.sharding.mesh import across_hosts, build_mesh, format_mesh
@@ -216,10 +217,22 @@ def compile_candidates(
         if layouts is None or lay.name in layouts
         for schedule in (PIPELINE_SCHEDULES if lay.stage_axis else (None,))
     ]
+    one_chunk = {}  # a pipeline mesh's programs with one chunk a stage: every such schedule runs them
     for i, (layout, mesh_shape, schedule) in enumerate(todo):
         if progress:
             progress(i, len(todo), layout, mesh_shape, schedule)
-        out.append(compile_candidate(model_config, image_shape, batch_size, layout, mesh_shape, schedule)[0])
+        key = (layout.name, tuple(mesh_shape.items()))
+        if schedule is not None and schedule[1] == 1 and key in one_chunk:
+            candidate, program = one_chunk[key]
+            if program is None:  # the same sizes refused the same way
+                out.append(replace(candidate, schedule=schedule))
+                continue
+            out.append(measure(Candidate(layout, mesh_shape, schedule=schedule), rescheduled(program, schedule[0])))
+            continue
+        candidate, program = compile_candidate(model_config, image_shape, batch_size, layout, mesh_shape, schedule)
+        if schedule is not None and schedule[1] == 1:
+            one_chunk[key] = (candidate, program)
+        out.append(candidate)
     total = min((c.flops * c.devices for c in out if c.cost is not None), default=0.0)  # the one-device work
     for c in out:
         if c.cost is not None and total:
@@ -249,6 +262,22 @@ def compile_candidate(
     except UserError as err:
         candidate.error = str(err)
         return candidate, None
+    return measure(candidate, program), program
+
+
+def rescheduled(program, schedule: str):
+    """A pipeline `program` with one chunk a stage as `schedule` runs it: the same compiled
+    programs in another order, so only what a stage holds in flight and the bubble change."""
+    runner = program.pipeline
+    stages = len(runner.timeline[0])
+    timeline = ticks(stage_orders(schedule, stages, 1, runner.microbatches), stages)
+    held = held_in_flight(timeline, [p["x_bytes"] for p in runner.programs], [p["y_bytes"] for p in runner.programs])
+    anatomy = replace(program.anatomy, stage_held_bytes=held, bubble_fraction=timeline_bubble(timeline))
+    return replace(program, anatomy=anatomy)
+
+
+def measure(candidate: Candidate, program) -> Candidate:
+    """`candidate` with what its compiled `program` does: memory, FLOPs, collectives."""
     cost = program_cost(program)
     candidate.cost, candidate.bubble_fraction = cost, program.anatomy.bubble_fraction
     candidate.roles = collective_roles(program)
@@ -256,7 +285,7 @@ def compile_candidate(
     candidate.param_bytes, candidate.optimizer_bytes = cost.param_bytes, cost.optimizer_bytes
     candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes
     candidate.num_collectives, candidate.num_kernels = cost.num_collectives, cost.num_kernels
-    return candidate, program
+    return candidate
 
 
 def collective_roles(program) -> list[list[str]]:
