@@ -33,9 +33,9 @@ def _is_state(x) -> bool:
 
 @dataclass(frozen=True)
 class StateForms:
-    """The renames between the stages' paths and the model's, one dict per stage."""
+    """The renames between the chunks' paths and the model's, one dict per chunk."""
 
-    to_model: list[dict[tuple, tuple]]  # stage s's variable path -> the model's path
+    to_model: list[dict[tuple, tuple]]  # chunk c's variable path -> the model's path
 
     @classmethod
     def of(cls, model_config, image_shape, groups: list[range]) -> StateForms:
@@ -50,7 +50,7 @@ class StateForms:
         )
 
     def _merge(self, *stage_trees: nnx.State) -> nnx.State:
-        """Per-stage States (stage paths) -> one State of the model's paths."""
+        """Per-chunk States (the chunks' paths) -> one State of the model's paths."""
         return nnx.from_flat_state(
             [(rename[path], leaf) for rename, tree in zip(self.to_model, stage_trees, strict=True)
              for path, leaf in nnx.to_flat_state(tree)]
@@ -62,7 +62,7 @@ class StateForms:
                 for rename in self.to_model]  # fmt: skip
 
     def whole(self, state: PipelineState) -> TrainState:
-        """The per-stage state as the whole model's TrainState (also for abstract states)."""
+        """The per-chunk state as the whole model's TrainState (also for abstract states)."""
         stages = state.stages
         opt_state = jax.tree.map(
             lambda *parts: self._merge(*parts) if _is_state(parts[0]) else parts[0],
@@ -77,22 +77,20 @@ class StateForms:
             rng=state.rng,
         )
 
-    def stages(self, state: TrainState, like: PipelineState | None = None) -> PipelineState:
-        """The whole model's TrainState cut into the stages' states. The optimizer's scalars
-        are copied to each stage's devices, as in `like` (the abstract per-stage state, its
-        shardings); without `like` they are left where they are (abstract states)."""
+    def stages(self, state: TrainState, like: PipelineState) -> PipelineState:
+        """The whole model's TrainState cut into the chunks' states. The optimizer's scalars
+        are copied to each chunk's devices, as in `like` (the abstract per-chunk state: its
+        shardings)."""
         params, stats = self._split(state.params), self._split(state.model_state)
         leaves, treedef = jax.tree.flatten(state.opt_state, is_leaf=_is_state)
         parts = [self._split(leaf) if _is_state(leaf) else None for leaf in leaves]
 
         def stage_opt(s):
-            places = [None] * len(leaves)
-            if like is not None:
-                places = [
-                    getattr(x, "sharding", None) for x in jax.tree.leaves(like.stages[s].opt_state, is_leaf=_is_state)
-                ]
+            places = [
+                getattr(x, "sharding", None) for x in jax.tree.leaves(like.stages[s].opt_state, is_leaf=_is_state)
+            ]
             return treedef.unflatten(
-                [part[s] if part is not None else leaf if place is None else to_stage(leaf, place)
+                [part[s] if part is not None else to_stage(leaf, place)
                  for leaf, part, place in zip(leaves, parts, places, strict=True)]
             )  # fmt: skip
 
