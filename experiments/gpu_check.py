@@ -5,6 +5,7 @@ python experiments/gpu_check.py                        # on the GPU machine, fro
 python experiments/gpu_check.py --budget 200           # a second call: the steps not done yet
 python experiments/gpu_check.py --smoke                # here: every step, tiny, on the CPU
 python experiments/gpu_check.py fetch-wheels           # here, with network: what the GPU image lacks -> .whl/
+                                                       # (and Fashion-MNIST's files, from this machine's)
 
 The GPU machine has no network; its python3 holds jax 0.11.2 with the CUDA 13 plugin, flax,
 optax, orbax, torch 2.11 and torchvision 0.26 but not grain, array-record, portpicker or
@@ -17,6 +18,11 @@ and the budget left; one that fails or times out is logged and the next runs; a 
 result file exists is skipped, so a second call goes on where the first stopped):
 
   env               nvidia-smi, versions, devices, whether jaxcnn keeps host malloc settings
+  loop_overhead     jaxcnn bench-loop, the tiny CNN on the digits: fit against a bare loop over the
+                    same compiled call, per way of feeding the step (how much the loop leaves idle)
+  loop_fashion      loop_fashion.py: Fashion-MNIST, the default CNN, 2 epochs: images/s of the host
+                    loader, data on the device, that with 64 steps a call, and PyTorch eager on the
+                    GPU (the IDX files carried in .whl/fashion-mnist by fetch-wheels)
   torch_bf16        compare_backends.py cnn-224,resnet50-224 batch 256 bf16: PyTorch eager as GPU
                     users run it (channels_last, bf16 autocast, cudnn.benchmark) against jaxcnn,
                     same weights, alternating; jaxcnn's compiles here are the cold ones
@@ -41,6 +47,7 @@ gpu_check_summary.csv.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -84,7 +91,7 @@ if jax.devices()[0].platform != "gpu" and sys.argv[-1] != "smoke":
 """
 
 
-def steps(smoke: bool, results: Path, python: str) -> list[tuple[str, int, str, list[str]]]:
+def steps(smoke: bool, results: Path, python: str, wheels: str) -> list[tuple[str, int, str, list[str]]]:
     """(name, cap in seconds, its result file, command) of every step, in order."""
     py = [python]
     exp = REPO / "experiments"
@@ -118,8 +125,19 @@ def steps(smoke: bool, results: Path, python: str) -> list[tuple[str, int, str, 
                 *torch_timing, *extra, "--out", str(results / out)]  # fmt: skip
 
     choices = [*py, str(exp / "platform_choices.py"), "--timeout", "30" if smoke else "300", *timing]
+    loop = ["--steps", "3000", "--rounds", "3"]
+    fashion = ["--epochs", "2", "--steps-per-call", "64", "--data-dir", str(Path(wheels) / "fashion-mnist")]
+    if smoke:
+        loop = ["--steps", "40", "--rounds", "1", "--steps-per-call", "4"]
+        fashion = ["--epochs", "1", "--train-size", "512", "--steps-per-call", "2"]
+        if importlib.util.find_spec("torch") is None:  # the test extra has no torch; the GPU machine has
+            fashion += ["--variants", "jaxcnn-host,jaxcnn-device,jaxcnn-device-K"]
     return [
         ("env", 90, "env.log", [*py, "-c", ENV_SCRIPT, "smoke" if smoke else "gpu"]),
+        ("loop_overhead", 180, "loop_overhead.csv", [*py, "-m", "jaxcnn", "bench-loop", "--cases", "tiny", "--data",
+         "digits", *loop, "--out", str(results / "loop_overhead.csv")]),
+        ("loop_fashion", 300, "loop_fashion.csv", [*py, str(exp / "loop_fashion.py"), *fashion,
+         "--out", str(results / "loop_fashion.csv")]),
         ("torch_bf16", 420, "torch_bf16.csv", torch("bfloat16", "torch_bf16.csv")),
         ("bench_rn50_bf16", 120, "bench_rn50_bf16.csv", bench("bfloat16", "bench_rn50_bf16.csv")),
         ("train_cnn_cold", 150, "runs/cnn_cold/cnn_cold.json", train("cnn_cold")),
@@ -155,6 +173,13 @@ def fetch_wheels(directory: str, python: str) -> None:
          *WHEELS],
         check=True,
     )  # fmt: skip
+    # Fashion-MNIST's IDX files for loop_fashion (the GPU machine has no network): about 30 MB
+    from jaxcnn.data.datasets import locate
+
+    target = Path(directory) / "fashion-mnist"
+    target.mkdir(parents=True, exist_ok=True)
+    for path in locate("fashion-mnist", None, False).values():
+        shutil.copy(path, target / path.name)
 
 
 def install_wheels(directory: str, python: str) -> dict:
@@ -188,7 +213,7 @@ def main(argv=None) -> int:
     only = set(args.only.split(",")) if args.only else None
     log = results / "steps.csv"
     started = time.monotonic()
-    for name, cap, result, command in steps(args.smoke, results, args.python):
+    for name, cap, result, command in steps(args.smoke, results, args.python, args.wheels):
         if (only and name not in only) or (not only and (results / result).exists() and name != "env"):
             continue
         left = args.budget - (time.monotonic() - started)
@@ -295,6 +320,18 @@ def summary(results: Path) -> pd.DataFrame:
                     row.update(torch_compiled_images_per_second=c.iloc[0]["images_per_second"],
                                torch_compile_seconds=c.iloc[0]["compile_seconds"])  # fmt: skip
             rows.append(row)
+    if (results / "loop_overhead.csv").exists():
+        for _, r in pd.read_csv(results / "loop_overhead.csv").iterrows():
+            rows.append({"workload": f"loop: {r['case']} CNN on {r['data']}, {r['mode']} (K={r['steps_per_call']})",
+                         "fit_ms_per_step": r["fit_ms_per_step"], "bare_ms_per_step": r["bare_ms_per_step"],
+                         "fit_over_bare": r["fit_over_bare"]})  # fmt: skip
+    if (results / "loop_fashion.csv").exists():
+        fashion = pd.read_csv(results / "loop_fashion.csv")
+        for variant, runs in fashion.groupby("variant", sort=False):
+            column = "torch_eager_images_per_second" if variant.startswith("torch") else "jaxcnn_images_per_second"
+            rows.append({"workload": f"Fashion-MNIST, default CNN, batch 128: {variant}",
+                         column: runs["images_per_second"].iloc[1:].median() if len(runs) > 1
+                         else runs["images_per_second"].iloc[0]})  # fmt: skip
     for name in ("cnn_cold", "cnn_warm"):
         path = results / "runs" / name / f"{name}.json"
         if path.exists():

@@ -1,6 +1,7 @@
 """Side by side on real data: Fashion-MNIST, the default CNN, one device -- jaxcnn's host
 loader, its data on the device, its data on the device with K steps a call, and PyTorch
-eager on the same model (the same initial weights: jaxcnn.analysis.torch_twin), recipe
+eager on the same model (the same initial weights: jaxcnn.analysis.torch_twin; on a GPU
+where torch sees one), recipe
 (Adam, the same warm-up and cosine learning rate step by step, batch 128) and shuffled
 batches (a DataLoader over tensors in memory).
 
@@ -21,6 +22,7 @@ import platform
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxcnn import results
@@ -49,6 +51,7 @@ def parse_flags(argv=None):
     parser.add_argument("--steps-per-call", type=int, default=8, help="K of jaxcnn-device-K (default %(default)s)")
     parser.add_argument("--target", type=float, default=0.90, help="test accuracy to time (default %(default)s)")
     parser.add_argument("--variants", type=cli.name_list, default=VARIANTS, help=", ".join(VARIANTS))
+    parser.add_argument("--train-size", type=int, help="the first N training examples only (a smoke run)")
     cli.add_output_flags(parser, out="runs/loop_fashion.csv")
     return parser.parse_args(argv)
 
@@ -77,7 +80,8 @@ def _jaxcnn_run(variant: str, train_set, test_set, config: TrainConfig, per_call
 
 
 def _torch_run(train_set, test_set, config: TrainConfig) -> tuple[list[dict], float]:
-    """The same model, weights, recipe and batches' sizes in PyTorch eager on the CPU."""
+    """The same model, weights, recipe and batches' sizes in PyTorch eager, on a GPU where
+    torch sees one (each batch copied over as a torch user's loop does), else the CPU."""
     import torch
 
     from jaxcnn.analysis.torch_twin import torch_model
@@ -85,7 +89,8 @@ def _torch_run(train_set, test_set, config: TrainConfig) -> tuple[list[dict], fl
 
     torch.manual_seed(config.seed)
     model_config = ModelConfig()
-    model = torch_model(build_model(model_config, train_set.image_shape, config.seed), model_config)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = torch_model(build_model(model_config, train_set.image_shape, config.seed), model_config).to(device)
     steps = sum(epoch_steps(len(train_set), config))
     rate = make_schedule(OptimConfig(), steps)  # optax's schedule, read step by step
     optimizer = torch.optim.Adam(model.parameters(), lr=float(rate(0)))
@@ -93,18 +98,22 @@ def _torch_run(train_set, test_set, config: TrainConfig) -> tuple[list[dict], fl
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x, y), batch_size=config.batch_size, shuffle=True, drop_last=True
     )
-    test_x, test_y = torch.from_numpy(test_set.images), torch.from_numpy(test_set.labels.astype(np.int64))
+    test_x = torch.from_numpy(test_set.images).to(device)
+    test_y = torch.from_numpy(test_set.labels.astype(np.int64)).to(device)
     rows, step = [], 0
     for epoch in range(config.epochs):
         model.train()
         start = time.perf_counter()
         for images, labels in loader:
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             for group in optimizer.param_groups:
                 group["lr"] = float(rate(step))
             optimizer.zero_grad(set_to_none=True)
             torch.nn.functional.cross_entropy(model(images), labels).backward()
             optimizer.step()
             step += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         model.eval()
         with torch.no_grad():
@@ -124,8 +133,12 @@ def main(argv=None) -> list[dict]:
     if unknown or args.epochs < 1 or args.rounds < 1:
         raise UserError(f"variants from {', '.join(VARIANTS)}; --epochs and --rounds >= 1")
     train_set, test_set = load_named("fashion-mnist", args.data_dir)
+    if args.train_size:
+        train_set = train_set.subset(np.arange(min(args.train_size, len(train_set))))
     config = TrainConfig(batch_size=args.batch_size, epochs=args.epochs, seed=0)
     machine = f"{_cpu_name()}, {os.cpu_count()} cores"
+    if jax.devices()[0].platform != "cpu":
+        machine = f"{jax.devices()[0].device_kind}, {machine}"
     rows = []
     for round_ in range(1, args.rounds + 1):
         for variant in args.variants:

@@ -160,8 +160,9 @@ def fit(
     `config.steps_per_call` steps run in one compiled call (jaxcnn.steps.calls); "auto"
     times the first steps and, with the data on the devices and a step short enough for
     the host to matter, compiles a call of enough steps on a thread and switches to it.
-    Metrics come to the host every NONFINITE_CHECK_STEPS steps (from calls already done):
-    a non-finite loss stops the run at most that many steps plus two calls after it.
+    Metrics come to the host every NONFINITE_CHECK_STEPS steps (from calls already done,
+    read a call later): a non-finite loss stops the run at most that many steps plus three
+    calls after it.
     """
     stop = stop or StopRequests(multi_process=False)
     if not isinstance(programs, dict):
@@ -258,11 +259,16 @@ def epoch_line(row: dict, epochs: int, total_steps: int) -> str:
 NONFINITE_CHECK_STEPS = 64  # metrics come to the host after this many steps (docs: a NaN's latency)
 
 
-def _step_runner(program: Program, steps: int, on_device: bool):
-    """(the compiled call for `steps` steps, whether its metrics come stacked [steps])."""
-    if steps == 1 and not on_device:
+def _step_runner(program: Program, steps: int, held: int, on_device: bool):
+    """(the compiled call for a call of `held` steps that runs `steps` of them, whether its
+    metrics come stacked [held]). On the devices an epoch's last call runs fewer steps than
+    the others hold: a call of exactly those steps once it is compiled, else the others'
+    call, its extra steps computed and dropped."""
+    if held == 1 and not on_device:
         return program.train_step, False
-    call = program.calls.get(steps, on_device)
+    if on_device and steps < held and program.calls.ready(steps, True):
+        held = steps
+    call = program.calls.get(held, on_device)
     return call.run, call.stacked
 
 
@@ -287,11 +293,18 @@ def _train_epoch(
     end = first + count
     pending: list[tuple[dict, int, bool]] = []  # (a call's metrics, the steps it ran, stacked) not on the host yet
     older = 0  # steps in `pending` before its newest call
+    fetching: _Fetch | None = None  # older calls' metrics on their way to the host, read a call later
+    if on_device and batches.steps_per_call > 1 and end < total:
+        # an epoch's last call, of exactly the steps left, for the epochs after this one (and
+        # this one's, if compiled in time); until then that call holds idle steps
+        remainder = count % batches.steps_per_call
+        if remainder:
+            program.calls.compile_ahead(remainder, True)
     start = time.perf_counter()
     while training_log.step < end:
         started = time.perf_counter()
         steps, held, inputs = batches.next_call()
-        run, stacked = _step_runner(program, held, on_device)
+        run, stacked = _step_runner(program, steps, held, on_device)
         state, call_metrics = run(state, *inputs)
         dispatched = time.perf_counter()
         if program.averaging is not None:  # local SGD (one step a call): the replicas meet when due
@@ -308,10 +321,13 @@ def _train_epoch(
         bar.update(steps)
         if sizer is not None:
             sizer.after_call(program, state, steps, started, dispatched, training_log.step)
+        if fetching is not None:  # started before this call was dispatched: the devices still have this one
+            training_log.record(fetching.result())
+            fetching = None
         older += pending[-1][1] if pending else 0
         pending.append((call_metrics, steps, stacked))
-        if older >= NONFINITE_CHECK_STEPS:  # the calls before this one are done, or nearly: no wait
-            training_log.collect(pending[:-1])
+        if older >= NONFINITE_CHECK_STEPS:  # all but the newest call: done, or nearly
+            fetching = _Fetch(pending[:-1])
             del pending[:-1]
             older = 0
         if training_log.step < end and stop.check():
@@ -322,16 +338,20 @@ def _train_epoch(
             and checkpointer.due(training_log.step, since=training_log.last_call_from)
             and training_log.step < end
         ):
-            training_log.collect(pending)  # never save a state that followed a non-finite loss
-            pending.clear()
+            if fetching is not None:  # never save a state that followed a non-finite loss
+                training_log.record(fetching.result())
+                fetching = None
+            training_log.collect(pending)
             older = 0
             training_log.save(program.saved_form(state), batches)
+    if fetching is not None:
+        training_log.record(fetching.result())
+    training_log.collect(pending)  # joined behind the last call: the devices run it meanwhile
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
     stall = batches.take_stall_seconds()
     training_log.train_seconds += seconds
     training_log.stall_seconds += stall
-    training_log.collect(pending)
     if training_log.step < end:
         return state, None
     todo = end - first
@@ -411,22 +431,39 @@ class _CallSizer:
         return steps if saved > cost else 1
 
 
-def _on_host(calls: list) -> list:
-    """Calls' (metrics, steps, stacked) with the metrics on the host. Each metric's values
-    of every call are joined on the devices first (one op) and come over as one array: a
-    transfer per array costs the host tens of microseconds, per step when a call is one."""
-    if len(calls) < 2:
-        return jax.device_get(calls)
-    names = list(calls[0][0])
-    if any(list(m) != names or m[names[0]].ndim != calls[0][0][names[0]].ndim for m, _, _ in calls):
-        return jax.device_get(calls)  # mixed kinds of call (rare): one by one
-    join = jnp.stack if calls[0][0][names[0]].ndim == 0 else jnp.concatenate
-    joined = jax.device_get({name: join([m[name] for m, _, _ in calls]) for name in names})
-    if calls[0][0][names[0]].ndim == 0:
-        return [({n: joined[n][i] for n in names}, steps, stacked) for i, (_, steps, stacked) in enumerate(calls)]
-    ends = np.cumsum([len(m[names[0]]) for m, _, _ in calls])
-    return [({n: joined[n][end - len(m[names[0]]) : end] for n in names}, steps, stacked)
-            for end, (m, steps, stacked) in zip(ends, calls, strict=True)]  # fmt: skip
+@jax.jit
+def _joined(metrics: list[dict]) -> dict:
+    """Calls' metrics, each metric's values of every call in one flat array (compiled: joined
+    eagerly, every array would be an op dispatched from Python)."""
+    return {name: jnp.concatenate([jnp.reshape(m[name], -1) for m in metrics]) for name in metrics[0]}
+
+
+class _Fetch:
+    """Calls' (metrics, steps, stacked), on their way to the host: each metric's values of
+    every call joined on the devices into one array (a transfer per array costs the host
+    tens of microseconds, per step when a call is one step) and copied over asynchronously.
+    `result()` waits for them; started a call before it is read, the wait leaves the
+    devices that call to run."""
+
+    def __init__(self, calls: list):
+        self.calls = list(calls)
+        names = list(self.calls[0][0]) if self.calls else []
+        self.joined = None
+        if len(self.calls) > 1 and all(list(m) == names for m, _, _ in self.calls):  # else (rare) one by one
+            self.joined = _joined([m for m, _, _ in self.calls])
+            for array in self.joined.values():
+                array.copy_to_host_async()
+
+    def result(self) -> list:
+        if self.joined is None:
+            return jax.device_get(self.calls)
+        joined = jax.device_get(self.joined)
+        out, at = [], 0
+        for m, steps, stacked in self.calls:
+            size = m[next(iter(m))].size
+            out.append(({name: joined[name][at : at + size] for name in m}, steps, stacked))
+            at += size
+        return out
 
 
 class _TrainingLog:
@@ -457,15 +494,19 @@ class _TrainingLog:
 
     def collect(self, calls: list) -> None:
         """Move pending calls' metrics ((metrics, steps, stacked) each) to the host and check
-        them (a sync point: waits for those calls)."""
+        them (a sync point: waits for those calls); `calls` is emptied."""
+        self.record(_Fetch(calls).result())
+        calls.clear()
+
+    def record(self, calls: list) -> None:
+        """Calls' metrics, on the host, into the histories; checked."""
         start = len(self.losses)
-        for m, steps, stacked in _on_host(calls):
+        for m, steps, stacked in calls:
             # one call's [held] steps' metrics: the first `steps` ran (an epoch's last call may hold more)
             m = {name: np.reshape(value, -1)[:steps] if stacked else np.reshape(value, 1) for name, value in m.items()}
             self.losses.extend(map(float, m["loss"]))
             self.accuracies.extend(map(float, m["accuracy"]))
             self.skipped += int(np.sum(m.get("skipped", 0)))
-        calls.clear()
         bad = [k for k, v in enumerate(self.losses[start:], start + 1) if not math.isfinite(v)]
         if bad and not self.skip_nonfinite:
             where = ""

@@ -69,6 +69,36 @@ def test_k_steps_in_one_call_equal_k_single_calls(on_device):
     np.testing.assert_allclose(three, one, rtol=1e-6)
 
 
+def test_an_epochs_last_call_runs_exactly_its_steps_once_compiled():
+    """Epochs of 4 steps (batch 320), 3 steps a call, 3 epochs: each epoch's last call is the
+    1-step call (compiled here first, as the loop compiles it ahead), and every loss is the
+    host loader's one step a call -- the next epoch's rows, placed while the last call runs,
+    included."""
+    from jaxcnn.program import StepCall
+
+    data, layout, mesh = bundled_digits(), layout_named("dp"), build_mesh({"data": 2})
+    on, _ = choose("on", data, layout, mesh, Augment(), 0)
+    programs = {
+        where: build_program(
+            TINY_PLAIN, _optim(), layout, mesh, data.image_shape, 320, 12, with_eval=False, on_device=on,
+            steps_per_call=3 if where == "device" else 1,
+        )  # fmt: skip
+        for where in ("device", "host")
+    }
+    program = programs["device"]
+    exact = program.calls.get(1, True)
+    runs = []
+    program.calls._calls[(1, True)] = StepCall(lambda *a: runs.append(1) or exact.run(*a), 1, True)
+    config = TrainConfig(batch_size=320, epochs=3, steps_per_call=3)
+    device = fit(program, program.init(), Loader(data), None, config, progress=False,
+                 device_data=placed(data, on, layout, mesh))  # fmt: skip
+    host = fit(programs["host"], programs["host"].init(), Loader(data), None, TrainConfig(batch_size=320, epochs=3),
+               progress=False)  # fmt: skip
+    assert len(runs) == 3  # one a epoch: its 4th step
+    np.testing.assert_allclose(device.loss_history, host.loss_history, rtol=1e-6)
+    assert len(device.loss_history) == 12
+
+
 def test_shift_and_flip_drawn_in_the_step_do_not_depend_on_the_layout():
     augment = Augment(shift=2, flip=True)
     single, _ = losses("single", {"data": 1}, augment=augment)

@@ -32,7 +32,7 @@ from jaxcnn.run_config import DATA_ON_DEVICE
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import data_sharding
-from jaxcnn.sharding.placement import BatchPlacement, to_global
+from jaxcnn.sharding.placement import BatchPlacement, put_whole, to_global
 
 DEVICE_DATA_FRACTION = 0.25  # auto: a device's share of the training set, at most this part of its memory
 
@@ -153,13 +153,15 @@ class DeviceFeed:
         self._next_step = first_step
         self.steps_per_call = steps_per_call
         self._epoch: tuple[int, jax.Array] | None = None  # (epoch, its rows on the devices)
+        self._epoch_end = 0  # the run's step after the epoch's last
+        self._ahead: tuple[int, jax.Array, jax.Array] | None = None  # the next epoch's (epoch, rows, cursor 0)
         self._cursor = None  # the next row of the epoch's, on the devices (the last call's "next_row")
         self._replicated = NamedSharding(placements[0].images.sharding.mesh, P())
         self.startup_seconds = 0.0
         self.wait_seconds = 0.0
 
-    def _epoch_rows(self, epoch: int, index: int) -> None:
-        """Epoch `epoch`'s rows, padded to a whole epoch's, and the cursor at `index`, placed."""
+    def _epoch_rows(self, epoch: int) -> jax.Array:
+        """Epoch `epoch`'s rows, padded to twice a whole epoch's, placed."""
         placement = self._placements[epoch]
         batches = np.stack(batch_indices(self.size, placement.batch_size, epoch, self.seed))
         if placement.order is not None:
@@ -168,25 +170,35 @@ class DeviceFeed:
         where = np.stack([np.full(len(batches), epoch), np.arange(len(batches)), np.full(len(batches), steps)], axis=1)
         rows = np.zeros((2 * (self.size // placement.batch_size), placement.batch_size + 3), np.int32)
         rows[: len(batches)] = np.concatenate([batches, where], axis=1)
-        self._epoch = epoch, to_global(rows, self._replicated)
-        self._cursor = jax.device_put(np.int32(index), self._replicated)  # (every process gives the same)
+        return to_global(rows, self._replicated)
+
+    def _cursor_at(self, index: int) -> jax.Array:
+        return put_whole(np.int32(index), self._replicated)  # (placed while calls with collectives may run)
 
     def next_call(self) -> tuple[int, int, tuple]:
         """(steps this call runs, the steps it holds: its program's, its inputs after the state)."""
-        where = self._steps[self._next_step]
-        if self._epoch is None or self._epoch[0] != where.epoch:
-            self._epoch_rows(where.epoch, where.index)
-        left = int(self._steps.starts[where.epoch + 1]) - self._next_step
+        if self._epoch is None or self._next_step >= self._epoch_end:
+            where = self._steps[self._next_step]
+            if self._ahead is not None and self._ahead[0] == where.epoch and where.index == 0:
+                self._epoch, self._cursor = self._ahead[:2], self._ahead[2]
+            else:
+                self._epoch, self._cursor = (where.epoch, self._epoch_rows(where.epoch)), self._cursor_at(where.index)
+            self._ahead = None
+            self._epoch_end = int(self._steps.starts[where.epoch + 1])
         call = self.steps_per_call
         if call > len(self._epoch[1]) // 2:
             raise ValueError(f"a call of {call} steps holds more than an epoch's {len(self._epoch[1]) // 2}")
-        steps = min(call, left)  # an epoch's last call may run fewer steps than it holds
+        steps = min(call, self._epoch_end - self._next_step)  # an epoch's last call may run fewer steps than it holds
         self._next_step += steps
         return steps, call, (*self.data, self._epoch[1], self._cursor)
 
     def dispatched(self, metrics: dict) -> None:
-        """The call's outputs: its "next_row" is the next call's cursor (not a metric)."""
+        """The call's outputs: its "next_row" is the next call's cursor (not a metric). After
+        an epoch's last call, the next epoch's rows are placed while the devices run it."""
         self._cursor = metrics.pop("next_row")
+        if self._next_step == self._epoch_end < len(self._steps) and self._ahead is None:
+            epoch = self._epoch[0] + 1
+            self._ahead = epoch, self._epoch_rows(epoch), self._cursor_at(0)
 
     def position(self) -> dict:
         return {"next_step": self._next_step}

@@ -31,6 +31,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxcnn.sharding.placement import put_whole
+
 
 class StageState(NamedTuple):
     params: nnx.State
@@ -116,18 +118,6 @@ def timeline_bubble(timeline: list[list[Action | None]]) -> float:
     """The stages' idle share of the timeline (a forward and a backward a tick each)."""
     busy = sum(a is not None for tick in timeline for a in tick)
     return 1 - busy / (len(timeline) * len(timeline[0]))
-
-
-def put_whole(value, target: NamedSharding) -> jax.Array:
-    """A host value (the same on every process) whole on each of `target`'s devices, built
-    shard by shard: nothing runs on the devices. (`jax.device_put(value, target)` with
-    `target` spanning processes first checks every process gave the same value -- a program
-    with an all-gather on all of this process's devices. XLA:CPU keys one gloo communicator
-    per device set, every all-gather in one slot, and PJRT:CPU does not order that program
-    after the stage programs (one device of each process), so its all-gather could race a
-    stage's and two processes pair different ones: gloo's "collective mismatch".)"""
-    value = np.asarray(value)
-    return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
 
 
 def held_in_flight(timeline: list[list[Action | None]], x_bytes: list[int], y_bytes: list[int]) -> list[int]:

@@ -62,6 +62,19 @@ def to_global(
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
 
+def put_whole(value, target: NamedSharding) -> jax.Array:
+    """A host value (the same on every process) whole on each of `target`'s devices, built
+    shard by shard: nothing runs on the devices. (`jax.device_put(value, target)` with
+    `target` spanning processes first checks every process gave the same value -- a program
+    with an all-gather on all of this process's devices. XLA:CPU keys one gloo communicator
+    per device set, every all-gather in one slot, and PJRT:CPU does not order that program
+    after programs on fewer of the devices (a pipeline's stage: one of each process), so its
+    all-gather could race theirs and two processes pair different ones: gloo's "collective
+    mismatch".)"""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
+
+
 def _spans(rows: np.ndarray) -> str:
     breaks = np.flatnonzero(np.diff(rows) != 1) + 1
     return ", ".join(f"{part[0]}-{part[-1]}" for part in np.split(rows, breaks) if len(part))
