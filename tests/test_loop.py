@@ -49,12 +49,13 @@ def losses(layout_name, mesh_shape, on_device=True, per_call=1, augment=None, st
      ("hybrid", {"data": 4, "model": 2}), ("spatial", {"data": 2, "spatial": 4})],
     ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={n}" for k, n in v.items()),
 )  # fmt: skip
-def test_data_on_the_devices_gives_the_host_loaders_losses_on_every_layout(layout_name, mesh):
-    """The step gathers the examples the host loader would have read, in its order: without
-    augmentation every loss equals the host path's."""
+def test_data_on_the_devices_and_k_steps_a_call_give_the_host_loaders_losses_on_every_layout(layout_name, mesh):
+    """The step gathers the examples the host loader would have read, in its order, 3 steps
+    a call (the last of 10 holding 2 idle): without augmentation every loss equals the host
+    path's one step a call."""
     host, _ = losses(layout_name, mesh, on_device=False)
-    device, program = losses(layout_name, mesh, on_device=True)
-    assert program.calls.ready(1, True) and len(device) == STEPS  # the run took the on-device call
+    device, program = losses(layout_name, mesh, on_device=True, per_call=3)
+    assert program.calls.ready(3, True) and len(device) == STEPS  # the run took the on-device call
     np.testing.assert_allclose(device, host, rtol=1e-6, atol=0)
     on, _ = choose("on", bundled_digits(), layout_named(layout_name), build_mesh(mesh), Augment(), 0)
     assert on.dtype == "uint8" and on.scale == 16  # the digits' x / 16 kept as bytes: a quarter of the memory
@@ -79,12 +80,10 @@ def test_an_epochs_last_call_runs_exactly_its_steps_once_compiled():
     data, layout, mesh = bundled_digits(), layout_named("dp"), build_mesh({"data": 2})
     on, _ = choose("on", data, layout, mesh, Augment(), 0)
     programs = {
-        where: build_program(
-            TINY_PLAIN, _optim(), layout, mesh, data.image_shape, 320, 12, with_eval=False, on_device=on,
-            steps_per_call=3 if where == "device" else 1,
-        )  # fmt: skip
+        where: build_program(TINY_PLAIN, _optim(), layout, mesh, data.image_shape, 320, 12, with_eval=False,
+                             on_device=on, steps_per_call=3 if where == "device" else 1)
         for where in ("device", "host")
-    }
+    }  # fmt: skip
     program = programs["device"]
     exact = program.calls.get(1, True)
     runs = []
