@@ -25,6 +25,22 @@ import orbax.checkpoint as ocp
 from jaxcnn.errors import UserError
 
 
+def save_replicas_whole_on_cpu() -> None:
+    """Orbax splits the copy of a replicated array to the host among its replicas, so that
+    several accelerators copy in parallel: each takes a slice, an op compiled eagerly per
+    shape and slice. CPU devices share the host's memory, so there is nothing to parallelize,
+    and those compiles cost seconds at every save of a small model. On CPU devices the first
+    replica is written whole (orbax's own choice on GPUs); elsewhere orbax's default stands.
+    Call before saving; restoring is unaffected."""
+    if jax.devices()[0].platform != "cpu":
+        return
+    # the default handler's ArrayMetadata store (typed PRNG keys read back as keys) is kept
+    from orbax.checkpoint._src.metadata.array_metadata_store import Store
+
+    handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=Store())
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
 def state_fingerprint(abstract_state) -> list[list]:
     """What a checkpoint must match to restore into a program: every leaf's path, global
     shape and dtype (not its sharding -- that may change)."""
@@ -74,6 +90,7 @@ class Checkpointer:
 
     def save(self, step: int, state, record: dict) -> None:
         """Start saving (returns once the arrays are copied off the devices)."""
+        save_replicas_whole_on_cpu()
         self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
         )

@@ -375,9 +375,14 @@ class _CallSizer:
     apart: the host's part -- taking the inputs and dispatching -- and the devices'. Where
     the host's part is under a tenth of a step, dispatching ahead hides it and one step a
     call stays. Else the call gets enough steps for the host to be a tenth of it (at most an
-    epoch's), compiled on a thread while single steps go on, and used once ready -- when the steps left would save more than the compile costs (estimated: a
-    CPU compiles the K steps written out, COMPILE_SECONDS_PER_STEP_CPU each, at most
-    MAX_STEPS_CPU; elsewhere one loop, COMPILE_SECONDS)."""
+    epoch's), compiled on a thread while single steps go on, and used once ready -- when the
+    steps left would save more than the compile costs (estimated: a CPU compiles the K steps
+    written out, COMPILE_SECONDS_PER_STEP_CPU each, at most MAX_STEPS_CPU; elsewhere one
+    loop, COMPILE_SECONDS). The K-step call is then put on trial: MEASURE_CALLS of its calls
+    (after a warm-up) timed the same way, and one step a call restored unless they took less
+    per step -- a compiler may run K steps written out slower than one (XLA:CPU does, once
+    a step's activations outgrow its caches), and the host's time measured beside devices
+    sharing its cores is not all saved."""
 
     MEASURE_CALLS = 8
     HOST_SHARE = 0.1  # the host's part of a call the chosen size aims for
@@ -387,27 +392,38 @@ class _CallSizer:
     def __init__(self, feed: DeviceFeed, steps_per_epoch: list[int]):
         self.feed, self.total = feed, sum(steps_per_epoch)
         self.epoch_steps = min(steps_per_epoch)  # a call holds at most the shortest epoch's steps (a batch schedule)
-        self.calls_seen, self.chosen = 0, None
+        self.calls_seen, self.chosen, self.decided = 0, None, False
         self.host_seconds: list[float] = []
         self.device_seconds: list[float] = []
+        self.trial_seconds: list[float] = []  # the K-step call's, per step (host and devices)
 
     @property
     def measured(self) -> dict:
         if not self.device_seconds:
             return {}
-        return {"host_seconds_per_call": float(np.median(self.host_seconds)),
-                "step_seconds": float(np.median(self.device_seconds))}  # fmt: skip
+        measured = {"host_seconds_per_call": float(np.median(self.host_seconds)),
+                    "step_seconds": float(np.median(self.device_seconds))}  # fmt: skip
+        if len(self.trial_seconds) == self.MEASURE_CALLS:
+            measured["tried_steps_per_call"] = self.chosen
+            measured["tried_seconds_per_step"] = float(np.median(self.trial_seconds))
+        return measured
 
     def after_call(self, program: Program, state, steps: int, started: float, dispatched: float, step: int) -> None:
         """After a call that began (taking its inputs) at `started` and was dispatched at
         `dispatched`; `step`: the run's steps taken."""
-        if self.chosen is not None:
-            if self.chosen > 1 and self.feed.steps_per_call == 1:
-                if program.calls.ready(self.chosen, True):
-                    self.feed.steps_per_call = self.chosen
-                else:
-                    program.calls.compile_ahead(self.chosen, True)  # (once: a batch schedule's next program)
+        if self.decided:
             return
+        if self.chosen is None:
+            self._measure_single(program, state, started, dispatched, step)
+        elif self.feed.steps_per_call == 1:
+            if program.calls.ready(self.chosen, True):
+                self.feed.steps_per_call = self.chosen
+            else:
+                program.calls.compile_ahead(self.chosen, True)  # (once: a batch schedule's next program)
+        elif steps == self.chosen:  # on trial (an epoch's shorter last call is not a measure)
+            self._try(state, started)
+
+    def _measure_single(self, program: Program, state, started: float, dispatched: float, step: int) -> None:
         self.calls_seen += 1
         if self.calls_seen == 1:  # compiled or warmed up: not a measure
             return
@@ -418,8 +434,21 @@ class _CallSizer:
             measured = self.measured
             cpu = program.mesh.devices.flat[0].platform == "cpu"
             self.chosen = self.steps_for(measured["host_seconds_per_call"], measured["step_seconds"], cpu, step)
+            self.decided = self.chosen == 1
             if self.chosen > 1:
                 program.calls.compile_ahead(self.chosen, True)
+
+    def _try(self, state, started: float) -> None:
+        jax.block_until_ready(state)
+        self.calls_seen += 1
+        if self.calls_seen == self.MEASURE_CALLS + 2:  # the K-step call's first: a warm-up
+            return
+        self.trial_seconds.append((time.perf_counter() - started) / self.chosen)
+        if len(self.trial_seconds) == self.MEASURE_CALLS:
+            self.decided = True
+            single = float(np.median(self.host_seconds) + np.median(self.device_seconds))
+            if np.median(self.trial_seconds) >= single:
+                self.feed.steps_per_call = 1
 
     def steps_for(self, host: float, step: float, cpu: bool, taken: int) -> int:
         if host <= self.HOST_SHARE * step:

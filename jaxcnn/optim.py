@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -76,22 +77,32 @@ def optim_for_batch(config: OptimConfig, train: TrainConfig, batch_size: int) ->
 
 
 def learning_rates(config: OptimConfig, train: TrainConfig, train_size: int) -> Callable[[np.ndarray], np.ndarray]:
-    """steps (0-based) -> the learning rate each trains with, batch schedule included: one
-    evaluation of a schedule per batch size, not one per step."""
+    """steps (0-based) -> the learning rate each trains with, batch schedule included. The
+    run's steps are evaluated together at the first call (optax's schedules are jnp: each
+    evaluation is a string of eager ops) and looked up after that."""
     plan = epoch_steps(train_size, train)
     ends = np.cumsum(plan)
-    steps = int(ends[-1]) if len(ends) else 0
-    schedules = {b: make_schedule(optim_for_batch(config, train, b), steps) for b in train.batch_sizes}
+    steps_total = int(ends[-1]) if len(ends) else 0
+    schedules = {b: make_schedule(optim_for_batch(config, train, b), steps_total) for b in train.batch_sizes}
     batch_of_epoch = np.array([train.batch_for_epoch(epoch) for epoch in range(len(plan))])
 
-    def rates(steps: np.ndarray) -> np.ndarray:
-        steps = np.asarray(steps)
+    def evaluated(steps: np.ndarray) -> np.ndarray:
         batches = batch_of_epoch[np.minimum(np.searchsorted(ends, steps, side="right"), len(plan) - 1)]
         out = np.zeros(len(steps))
         for batch, schedule in schedules.items():
             if (here := batches == batch).any():
                 out[here] = np.asarray(schedule(steps[here]))
         return out
+
+    @functools.cache
+    def table() -> np.ndarray:
+        return evaluated(np.arange(steps_total))
+
+    def rates(steps: np.ndarray) -> np.ndarray:
+        steps = np.asarray(steps)
+        if len(steps) and (steps.min() < 0 or steps.max() >= steps_total):
+            return evaluated(steps)
+        return table()[steps]
 
     return rates
 

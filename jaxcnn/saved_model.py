@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxcnn.checkpoint import save_replicas_whole_on_cpu
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
 from jaxcnn.models import build_model
@@ -47,6 +48,7 @@ def flat_variables(state: nnx.State) -> dict[str, Any]:
 def save_model(directory: str | Path, variables: ModelVariables) -> Path:
     """Write the model (a collective: every process calls it). `directory` must not exist."""
     directory = Path(directory).absolute()
+    save_replicas_whole_on_cpu()
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(directory, {"params": variables.params, "stats": variables.stats})
     checkpointer.wait_until_finished()

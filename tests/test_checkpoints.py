@@ -53,6 +53,27 @@ def final_state(directory, layout="dp", mesh=None, config=TINY_CONFIG, image_sha
     return restored
 
 
+def test_a_save_on_cpu_devices_writes_replicated_arrays_whole_compiling_nothing(tmp_path, caplog):
+    """Orbax by default splits a replicated array's copy to the host among its replicas, a
+    slice op compiled per shape and slice (seconds for a small model); on CPU devices the
+    first replica is written whole: saving compiles nothing, and reads back equal."""
+    import logging
+
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcnn.saved_model import ModelVariables, save_model
+
+    replicated = NamedSharding(build_mesh({"data": 8}), P())
+    params = {f"w{n}": jax.device_put(np.arange(8 * n, dtype=np.float32).reshape(8, n), replicated) for n in (13, 29)}
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+        save_model(tmp_path / "model", ModelVariables(params, {}))
+    assert not [r.getMessage() for r in caplog.records if "ompil" in r.getMessage()]
+    back = ocp.StandardCheckpointer().restore(tmp_path / "model")["params"]
+    assert all(np.array_equal(back[k], params[k]) for k in params)
+
+
 def test_resume_continues_exactly_and_onto_another_layout(tmp_path):
     full = train(
         tmp_path, "full", "--max-steps", "30", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "10"

@@ -152,3 +152,37 @@ def test_k_larger_than_an_epoch_is_cut_to_the_epoch(tmp_path):
     run = _train(tmp_path, "long", "--data-on-device", "on", "--steps-per-call", "64", "--batch-size", "320",
                  "--max-steps", "6")  # fmt: skip
     assert run["steps_per_call"] == 4 and len(run["loss_history"]) == 6
+
+
+@pytest.mark.parametrize("faster", ["single", "k"])
+def test_auto_keeps_k_steps_a_call_only_where_its_calls_take_less_per_step(monkeypatch, faster):
+    """--steps-per-call auto chooses 4 here, then times the 4-step call: slowed (a sleep in
+    its call) it gives way to one step a call again, mid-epoch; with the single step slowed
+    instead it stays. Either way every loss is the host loader's, one step a call."""
+    import time
+
+    from jaxcnn.fit import _CallSizer
+    from jaxcnn.program import StepCall
+
+    monkeypatch.setattr(_CallSizer, "steps_for", lambda self, *args: 4)
+    data, layout, mesh = bundled_digits(), layout_named("single"), build_mesh({"data": 1})
+    on, _ = choose("on", data, layout, mesh, Augment(), 0)
+    device, host = (
+        build_program(TINY_PLAIN, _optim(), layout, mesh, data.image_shape, 16, 120, with_eval=False, on_device=where)
+        for where in (on, None)
+    )  # fmt: skip
+    slowed = (1, True) if faster == "k" else (4, True)
+    call = device.calls.get(*slowed)
+
+    def slow(*args):
+        time.sleep(0.02 * slowed[0])
+        return call.run(*args)
+
+    device.calls._calls[slowed] = StepCall(slow, *slowed)
+    config = TrainConfig(batch_size=16, epochs=1, steps_per_call="auto")
+    result = fit(device, device.init(), Loader(data), None, config, progress=False,
+                 device_data=placed(data, on, layout, mesh))  # fmt: skip
+    assert result.extra["tried_steps_per_call"] == 4
+    assert result.extra["steps_per_call"] == (4 if faster == "k" else 1)
+    expected = fit(host, host.init(), Loader(data), None, TrainConfig(batch_size=16, epochs=1), progress=False)
+    np.testing.assert_allclose(result.loss_history, expected.loss_history, rtol=1e-6)
