@@ -14,6 +14,7 @@ warning and the one before it used.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ import orbax.checkpoint as ocp
 from jaxcnn.errors import UserError
 
 
+@functools.cache
 def save_replicas_whole_on_cpu() -> None:
     """Orbax splits the copy of a replicated array to the host among its replicas, so that
     several accelerators copy in parallel: each takes a slice, an op compiled eagerly per
@@ -34,10 +36,12 @@ def save_replicas_whole_on_cpu() -> None:
     Call before saving; restoring is unaffected."""
     if jax.devices()[0].platform != "cpu":
         return
-    # the default handler's ArrayMetadata store (typed PRNG keys read back as keys) is kept
-    from orbax.checkpoint._src.metadata.array_metadata_store import Store
-
+    try:  # the default handler's ArrayMetadata store (typed PRNG keys read back as keys) is kept
+        from orbax.checkpoint._src.metadata.array_metadata_store import Store
+    except ImportError:  # a later orbax moved it: saves stay correct, only slower on CPU devices
+        return
     handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=Store())
+    # once a process: orbax logs a warning at every override
     ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 

@@ -378,11 +378,13 @@ class _CallSizer:
     epoch's), compiled on a thread while single steps go on, and used once ready -- when the
     steps left would save more than the compile costs (estimated: a CPU compiles the K steps
     written out, COMPILE_SECONDS_PER_STEP_CPU each, at most MAX_STEPS_CPU; elsewhere one
-    loop, COMPILE_SECONDS). The K-step call is then put on trial: MEASURE_CALLS of its calls
-    (after a warm-up) timed the same way, and one step a call restored unless they took less
-    per step -- a compiler may run K steps written out slower than one (XLA:CPU does, once
-    a step's activations outgrow its caches), and the host's time measured beside devices
-    sharing its cores is not all saved."""
+    loop, COMPILE_SECONDS). The K-step call is then put on trial against one step a call, as
+    the loop runs them (dispatching ahead, nothing blocked but a window's end): MEASURE_CALLS
+    calls of K steps, then as many steps one a call, each window after a warm-up call, and
+    one step a call stays unless K's took less per step -- a compiler may run K steps
+    written out slower than one (XLA:CPU does, once a step's activations outgrow its caches),
+    and the host's part may have been hidden behind the devices all along. A window with an
+    epoch's shorter last call, a new program or a compile on a thread in it starts again."""
 
     MEASURE_CALLS = 8
     HOST_SHARE = 0.1  # the host's part of a call the chosen size aims for
@@ -395,7 +397,8 @@ class _CallSizer:
         self.calls_seen, self.chosen, self.decided = 0, None, False
         self.host_seconds: list[float] = []
         self.device_seconds: list[float] = []
-        self.trial_seconds: list[float] = []  # the K-step call's, per step (host and devices)
+        self.trial: dict[int, float] = {}  # steps a call -> seconds a step, dispatching ahead
+        self.window: _Window | None = None
 
     @property
     def measured(self) -> dict:
@@ -403,9 +406,10 @@ class _CallSizer:
             return {}
         measured = {"host_seconds_per_call": float(np.median(self.host_seconds)),
                     "step_seconds": float(np.median(self.device_seconds))}  # fmt: skip
-        if len(self.trial_seconds) == self.MEASURE_CALLS:
+        if len(self.trial) == 2:
             measured["tried_steps_per_call"] = self.chosen
-            measured["tried_seconds_per_step"] = float(np.median(self.trial_seconds))
+            measured["tried_seconds_per_step"] = self.trial[self.chosen]
+            measured["single_seconds_per_step"] = self.trial[1]
         return measured
 
     def after_call(self, program: Program, state, steps: int, started: float, dispatched: float, step: int) -> None:
@@ -415,13 +419,14 @@ class _CallSizer:
             return
         if self.chosen is None:
             self._measure_single(program, state, started, dispatched, step)
-        elif self.feed.steps_per_call == 1:
+        elif self.window is None:  # single steps while the K-step call compiles
             if program.calls.ready(self.chosen, True):
                 self.feed.steps_per_call = self.chosen
+                self.window = _Window(program, self.chosen, self.MEASURE_CALLS)
             else:
                 program.calls.compile_ahead(self.chosen, True)  # (once: a batch schedule's next program)
-        elif steps == self.chosen:  # on trial (an epoch's shorter last call is not a measure)
-            self._try(state, started)
+        else:
+            self._try(program, state, steps, started)
 
     def _measure_single(self, program: Program, state, started: float, dispatched: float, step: int) -> None:
         self.calls_seen += 1
@@ -438,17 +443,22 @@ class _CallSizer:
             if self.chosen > 1:
                 program.calls.compile_ahead(self.chosen, True)
 
-    def _try(self, state, started: float) -> None:
-        jax.block_until_ready(state)
-        self.calls_seen += 1
-        if self.calls_seen == self.MEASURE_CALLS + 2:  # the K-step call's first: a warm-up
+    def _try(self, program: Program, state, steps: int, started: float) -> None:
+        window = self.window
+        if not window.counts(program, steps) or program.calls.compiling():
+            self.window = _Window(program, window.steps, window.calls)  # again, from the next call
             return
-        self.trial_seconds.append((time.perf_counter() - started) / self.chosen)
-        if len(self.trial_seconds) == self.MEASURE_CALLS:
+        seconds = window.add(state, started)
+        if seconds is None:
+            return
+        self.trial[window.steps] = seconds
+        if window.steps > 1:  # now as many steps one a call
+            self.feed.steps_per_call = 1
+            self.window = _Window(program, 1, window.calls * window.steps)
+        else:
             self.decided = True
-            single = float(np.median(self.host_seconds) + np.median(self.device_seconds))
-            if np.median(self.trial_seconds) >= single:
-                self.feed.steps_per_call = 1
+            if self.trial[self.chosen] < self.trial[1]:
+                self.feed.steps_per_call = self.chosen
 
     def steps_for(self, host: float, step: float, cpu: bool, taken: int) -> int:
         if host <= self.HOST_SHARE * step:
@@ -458,6 +468,33 @@ class _CallSizer:
         saved = (self.total - taken) * host * (1 - 1 / steps)
         cost = self.COMPILE_SECONDS_PER_STEP_CPU * steps if cpu else self.COMPILE_SECONDS
         return steps if saved > cost else 1
+
+
+class _Window:
+    """A trial's timing of `calls` calls of `steps` steps as the loop runs them: from the
+    start of the call after a warm-up one to the end of the last. Only the warm-up and the
+    last are waited for (the warm-up, so that none of its steps is counted)."""
+
+    def __init__(self, program: Program, steps: int, calls: int):
+        self.program, self.steps, self.calls = program, steps, calls
+        self.seen, self.start = 0, None
+
+    def counts(self, program: Program, steps: int) -> bool:
+        """Whether a call belongs in this window (else it starts again)."""
+        return program is self.program and steps == self.steps
+
+    def add(self, state, started: float) -> float | None:
+        """After one of its calls: seconds a step once the window is full, else None."""
+        self.seen += 1
+        if self.seen == 1:  # the warm-up
+            jax.block_until_ready(state)
+            return None
+        if self.start is None:
+            self.start = started
+        if self.seen <= self.calls:
+            return None
+        jax.block_until_ready(state)
+        return (time.perf_counter() - self.start) / (self.calls * self.steps)
 
 
 @jax.jit

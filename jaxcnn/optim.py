@@ -99,7 +99,7 @@ def learning_rates(config: OptimConfig, train: TrainConfig, train_size: int) -> 
         return evaluated(np.arange(steps_total))
 
     def rates(steps: np.ndarray) -> np.ndarray:
-        steps = np.asarray(steps)
+        steps = np.asarray(steps, dtype=np.int64)
         if len(steps) and (steps.min() < 0 or steps.max() >= steps_total):
             return evaluated(steps)
         return table()[steps]

@@ -89,6 +89,11 @@ class StepCalls:
     def ready(self, steps: int, on_device: bool) -> bool:
         return (steps, on_device) in self._calls
 
+    def compiling(self) -> bool:
+        """Whether a call is being compiled on a thread (it takes cores from the steps)."""
+        with self._lock:
+            return bool(self._pending)
+
     def compile_ahead(self, steps: int, on_device: bool) -> None:
         """Start compiling the call on a thread (XLA does not hold the interpreter)."""
         key = (steps, on_device)

@@ -71,6 +71,10 @@ def run_record(config: RunConfig, programs: dict, train_config, outcome: FitResu
         # what --steps-per-call auto read: the host's seconds a call (inputs, dispatch) and the devices' a step
         "host_seconds_per_call": outcome.extra.get("host_seconds_per_call"),
         "step_seconds": outcome.extra.get("step_seconds"),
+        # its trial, dispatching ahead: seconds a step with the K it tried, and one a call
+        "tried_steps_per_call": outcome.extra.get("tried_steps_per_call"),
+        "tried_seconds_per_step": outcome.extra.get("tried_seconds_per_step"),
+        "single_seconds_per_step": outcome.extra.get("single_seconds_per_step"),
         "data": loader.dataset.source,
         "test_data": test_set.source,
         "image_shape": list(loader.dataset.image_shape),

@@ -156,9 +156,10 @@ def test_k_larger_than_an_epoch_is_cut_to_the_epoch(tmp_path):
 
 @pytest.mark.parametrize("faster", ["single", "k"])
 def test_auto_keeps_k_steps_a_call_only_where_its_calls_take_less_per_step(monkeypatch, faster):
-    """--steps-per-call auto chooses 4 here, then times the 4-step call: slowed (a sleep in
-    its call) it gives way to one step a call again, mid-epoch; with the single step slowed
-    instead it stays. Either way every loss is the host loader's, one step a call."""
+    """--steps-per-call auto chooses 4 here, then times the 4-step call against single steps:
+    slowed (a sleep in its call) it gives way to one step a call again, mid-run; with the
+    single step slowed instead it stays. Either way every loss is the host loader's, one step
+    a call (over 2 epochs: the trial's windows meet an epoch's shorter last call)."""
     import time
 
     from jaxcnn.fit import _CallSizer
@@ -179,10 +180,12 @@ def test_auto_keeps_k_steps_a_call_only_where_its_calls_take_less_per_step(monke
         return call.run(*args)
 
     device.calls._calls[slowed] = StepCall(slow, *slowed)
-    config = TrainConfig(batch_size=16, epochs=1, steps_per_call="auto")
+    config = TrainConfig(batch_size=16, epochs=2, steps_per_call="auto")
     result = fit(device, device.init(), Loader(data), None, config, progress=False,
                  device_data=placed(data, on, layout, mesh))  # fmt: skip
     assert result.extra["tried_steps_per_call"] == 4
+    k_faster = result.extra["tried_seconds_per_step"] < result.extra["single_seconds_per_step"]
+    assert k_faster == (faster == "k")
     assert result.extra["steps_per_call"] == (4 if faster == "k" else 1)
-    expected = fit(host, host.init(), Loader(data), None, TrainConfig(batch_size=16, epochs=1), progress=False)
+    expected = fit(host, host.init(), Loader(data), None, TrainConfig(batch_size=16, epochs=2), progress=False)
     np.testing.assert_allclose(result.loss_history, expected.loss_history, rtol=1e-6)

@@ -33,7 +33,6 @@ per config, before any timing); a CPU reports no memory, so there give --fill-me
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from typing import NamedTuple
 
@@ -69,19 +68,6 @@ COLUMNS = [
 VARIANTS = ("jaxcnn-single", "jaxcnn-dp1", "plain-jit", "plain-jit-cpu-options")
 
 
-def batch_flag(text: str) -> int | str:
-    """--batch: a positive integer, or `fill`."""
-    if text.strip().lower() == "fill":
-        return "fill"
-    try:
-        batch = int(text)
-    except ValueError:
-        batch = 0
-    if batch < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive integer nor 'fill'")
-    return batch
-
-
 def parse_flags(argv=None):
     parser = cli.experiment_parser(PROG, __doc__)
     parser.add_argument(
@@ -93,7 +79,7 @@ def parse_flags(argv=None):
         "--rounds", type=int, help="interleaved rounds the steps are split into (default: the config's)"
     )
     parser.add_argument(
-        "--batch", type=batch_flag, help="every config's batch: N, or fill (the largest that fits the device); "
+        "--batch", type=cli.positive_int_or("fill"), help="every config's batch: N, or fill (the largest that fits the device); "
         "default: the config's"
     )  # fmt: skip
     parser.add_argument(

@@ -87,6 +87,23 @@ def name_list(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
+def positive_int_or(word: str) -> Callable[[str], int | str]:
+    """A flag type taking a positive integer or `word` (--steps-per-call auto, --batch fill)."""
+
+    def parse(text: str) -> int | str:
+        if text.strip().lower() == word.lower():
+            return word
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be a positive integer or {word}, got {text!r}")
+        return value
+
+    return parse
+
+
 def batch_schedule(text: str) -> tuple[tuple[int, int], ...]:
     """'0:64,10:128' -> ((0, 64), (10, 128))."""
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxcnn.commands.cli import batch_schedule, int_list, name_list
+from jaxcnn.commands.cli import batch_schedule, int_list, name_list, positive_int_or
 from jaxcnn.config import (
     CONV1X1_KERNELS,
     DEFAULT_MODEL,
@@ -42,19 +42,6 @@ from jaxcnn.run_config import (
     DataConfig,
 )
 from jaxcnn.stopping import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE
-
-
-def steps_per_call(text: str) -> int | str:
-    """--steps-per-call: a positive integer, or auto."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {text!r}")
-    return value
 
 
 def resume_mode(text: str) -> str:
@@ -213,7 +200,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     g.add_argument("--seed", type=int, default=defaults_t.seed)
     g.add_argument(
-        "--steps-per-call", type=steps_per_call, default=defaults_t.steps_per_call, metavar="K|auto",
+        "--steps-per-call", type=positive_int_or("auto"), default=defaults_t.steps_per_call, metavar="K|auto",
         help="optimizer steps in one compiled call (auto: 1, or, with the data on the devices and a step so short "
         "that the host's part of a call is over a tenth of it, enough steps to make it a tenth; default %(default)s)",
     )  # fmt: skip
