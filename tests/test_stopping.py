@@ -4,12 +4,14 @@ save; the same command again continues (and stops again at --stop-signal); one p
 continues it; a process killed outright is restarted with the others from the last
 checkpoint (launch_local.py --max-restarts). Every run ends with the losses of one uninterrupted run."""
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 from conftest import REPO
 
 TRAIN, LAUNCH = REPO / "experiments/train.py", REPO / "experiments/launch_local.py"
+RUN_LIMIT_S = 300  # a launch, start to end (they take well under a minute)
 STEPS_PER_EPOCH = 89  # the bundled digits' 1,437 training images in batches of 16
 # not --quiet: the tests time their signals by process 0's epoch lines
 FLAGS = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "16", "--epochs", "2",
@@ -43,19 +46,35 @@ def children(pid: int) -> dict[int, int]:
 
 
 def start(command: list, **kw) -> subprocess.Popen:
+    """A process in a session of its own: a hung run's whole tree can be killed."""
     return subprocess.Popen([sys.executable, *map(str, command)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=REPO, **kw)  # fmt: skip
+                            text=True, cwd=REPO, start_new_session=True, **kw)  # fmt: skip
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and what it started (a hung training process does not end at SIGTERM:
+    JAX's preemption notifier holds it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def signal_after(proc: subprocess.Popen, line_start: str, send) -> str:
-    """Read `proc`'s output; once a line starts with `line_start`, call `send()`; its whole output."""
-    seen, sent = [], False
-    for line in proc.stdout:
-        seen.append(line)
-        if not sent and line.startswith(line_start):
-            send()
-            sent = True
-    proc.wait(timeout=300)
+    """Read `proc`'s output; once a line starts with `line_start`, call `send()`; its whole
+    output. A run that has not ended within RUN_LIMIT_S fails the test (killed, not left hanging)."""
+    seen, sent, hung = [], False, threading.Event()
+    watchdog = threading.Timer(RUN_LIMIT_S, lambda: (hung.set(), kill_tree(proc)))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if not sent and line.startswith(line_start):
+                send()
+                sent = True
+        proc.wait(timeout=RUN_LIMIT_S)
+    finally:
+        watchdog.cancel()
+        kill_tree(proc)  # a no-op once everything has ended
+    assert not hung.is_set(), f"no end within {RUN_LIMIT_S} s:\n" + "".join(seen)[-3000:]
     assert sent, "".join(seen)[-3000:]
     return "".join(seen)
 
@@ -96,7 +115,10 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_the_run_continues_on_any
     assert len(second) == 2 and steps[0] < second[0] == second[1] < 2 * STEPS_PER_EPOCH, out[-3000:]
     assert record(tmp_path, "r")["stopped_by"] == "SIGUSR1"  # process 0 was sent it; process 1 heard SIGTERM
     last = start([TRAIN, *common, "--host-devices", "4"])
-    out = last.communicate(timeout=300)[0]
+    try:
+        out = last.communicate(timeout=RUN_LIMIT_S)[0]
+    finally:
+        kill_tree(last)
     assert last.returncode == 0, out[-3000:]
     finished = record(tmp_path, "r")
     assert finished["resumed_from_step"] == second[0] and finished["num_processes"] == 1
