@@ -15,6 +15,7 @@ warning and the one before it used.
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,13 @@ def save_replicas_whole_on_cpu() -> None:
     except ImportError:  # a later orbax moved it: saves stay correct, only slower on CPU devices
         return
     handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=Store())
-    # once a process: orbax logs a warning at every override
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    absl = logging.getLogger("absl")  # orbax warns of the override on every run, as if it were a mistake
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl.setLevel(level)
 
 
 def state_fingerprint(abstract_state) -> list[list]:
