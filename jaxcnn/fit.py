@@ -161,8 +161,12 @@ def fit(
     times the first steps and, with the data on the devices and a step short enough for
     the host to matter, compiles a call of enough steps on a thread and switches to it.
     Metrics come to the host every NONFINITE_CHECK_STEPS steps (from calls already done,
-    read a call later): a non-finite loss stops the run at most that many steps plus three
-    calls after it.
+    read once they are, at the latest when the next are due): a non-finite loss stops the
+    run at most twice that many steps plus four calls after it. An epoch's end waits for
+    the devices only where something needs it -- its evaluation, a checkpoint, the run's
+    end; else its row is finished (and `on_epoch` called, its line printed) once its
+    metrics arrive, and it is timed to its last call's dispatch, the devices' backlog
+    counted in the next epoch's time.
     """
     stop = stop or StopRequests(multi_process=False)
     if not isinstance(programs, dict):
@@ -194,34 +198,52 @@ def fit(
     )
     result = None
     first_in_epoch = 0
+
+    def publish(row: dict) -> None:
+        """A finished epoch's row to the callback and the screen (after its evaluation, or,
+        for an epoch whose end nothing waited on, once its metrics reach the host)."""
+        first = row["step"] - steps_per_epoch[row["epoch"] - 1]
+        if on_epoch is not None:
+            on_epoch(row, training_log.losses[first : row["step"]])
+        if on_terminal:
+            bar.set_postfix(epoch=row["epoch"], loss=f"{row['train_loss']:.4f}", test_acc=row["test_accuracy"])
+        elif progress:
+            print(epoch_line(row, len(steps_per_epoch), total), flush=True)
+
+    training_log.publish = publish
     try:
         for epoch, count in enumerate(steps_per_epoch):
             first_in_epoch += steps_per_epoch[epoch - 1] if epoch else 0
             if first_in_epoch + count <= training_log.step:
                 continue  # finished before the checkpoint this run resumed from
             program = programs[config.batch_for_epoch(epoch)]
-            state, row = _train_epoch(
-                program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop, sizer
+            end = first_in_epoch + count
+            test = tests.get(id(program))
+            # What needs this epoch's end now -- its evaluation, a checkpoint, the run's end --
+            # waits for it; else its row is finished once its metrics reach the host
+            settle = test is not None or end == total or (
+                checkpointer is not None and checkpointer.due(end, since=max(first_in_epoch, training_log.step))
             )
-            if row is not None:  # the epoch ran to its end (a stop mid-epoch leaves no row)
-                row, result = _evaluated(row, program, state, tests.get(id(program)))
+            state, row = _train_epoch(
+                program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop, sizer, settle
+            )
+            if row is not None and settle:  # the epoch ran to its end (a stop mid-epoch leaves no row)
+                row, result = _evaluated(row, program, state, test)
                 training_log.rows.append(row)
                 if checkpointer is not None and checkpointer.due(
                     training_log.step, last=training_log.step == total, since=training_log.last_call_from
                 ):
                     # at an epoch's end: after its row, so a resumed run's results hold it
                     training_log.save(program.saved_form(state), batches)
-                if on_epoch is not None:
-                    on_epoch(row, training_log.losses[first_in_epoch : first_in_epoch + count])
-                if on_terminal:
-                    bar.set_postfix(epoch=epoch + 1, loss=f"{row['train_loss']:.4f}", test_acc=row["test_accuracy"])
-                elif progress:
-                    print(epoch_line(row, len(steps_per_epoch), total), flush=True)
+                publish(row)
+            elif row is not None:
+                training_log.finish_later(row)
             if row is None or (stop.check() and training_log.step < total):  # asked to stop, in training or eval
                 saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
                 for target in saved:
                     if training_log.step not in target.steps():  # else saved at this very step already
                         training_log.save(program.saved_form(state), batches, target)
+                training_log.drain()
                 bar.close()
                 raise Interrupted(training_log.result(state, None), [c.directory for c in saved])
     finally:
@@ -283,17 +305,17 @@ def _train_epoch(
     bar,
     stop: StopRequests,
     sizer: _CallSizer | None,
+    settle: bool,
 ):
     """Run epoch `epoch`'s steps from where `training_log` stands, a call at a time; (new
     state, the epoch's row). The row is None when a stop was requested before the epoch's
     last call. Per call the host dispatches, notes it for the stall clock, and moves the
-    bar; metrics come to the host now and then, from calls already done."""
+    bar; metrics come to the host now and then, from calls already done. `settle`: the
+    epoch's end waits for its last call and its row holds its training metrics; else the
+    devices run on into the next epoch and its metrics are filled in once they arrive."""
     batch, total = program.batch_size, sum(training_log.steps_per_epoch)
     on_device = isinstance(batches, DeviceFeed)
     end = first + count
-    pending: list[tuple[dict, int, bool]] = []  # (a call's metrics, the steps it ran, stacked) not on the host yet
-    older = 0  # steps in `pending` before its newest call
-    fetching: _Fetch | None = None  # older calls' metrics on their way to the host, read a call later
     if on_device and batches.steps_per_call > 1 and end < total:
         # an epoch's last call, of exactly the steps left, for the epochs after this one (and
         # this one's, if compiled in time); until then that call holds idle steps
@@ -321,15 +343,7 @@ def _train_epoch(
         bar.update(steps)
         if sizer is not None:
             sizer.after_call(program, state, steps, started, dispatched, training_log.step)
-        if fetching is not None:  # started before this call was dispatched: the devices still have this one
-            training_log.record(fetching.result())
-            fetching = None
-        older += pending[-1][1] if pending else 0
-        pending.append((call_metrics, steps, stacked))
-        if older >= NONFINITE_CHECK_STEPS:  # all but the newest call: done, or nearly
-            fetching = _Fetch(pending[:-1])
-            del pending[:-1]
-            older = 0
+        training_log.add_call(call_metrics, steps, stacked)
         if training_log.step < end and stop.check():
             break
         checkpointer = training_log.checkpointer
@@ -338,35 +352,32 @@ def _train_epoch(
             and checkpointer.due(training_log.step, since=training_log.last_call_from)
             and training_log.step < end
         ):
-            if fetching is not None:  # never save a state that followed a non-finite loss
-                training_log.record(fetching.result())
-                fetching = None
-            training_log.collect(pending)
-            older = 0
-            training_log.save(program.saved_form(state), batches)
-    if fetching is not None:
-        training_log.record(fetching.result())
-    training_log.collect(pending)  # joined behind the last call: the devices run it meanwhile
-    jax.block_until_ready(state)
+            training_log.save(program.saved_form(state), batches)  # (reads every call before it first)
+    stopped = training_log.step < end
+    if settle or stopped:
+        training_log.drain()  # joined behind the last call: the devices run it meanwhile
+        jax.block_until_ready(state)
     seconds = time.perf_counter() - start
     stall = batches.take_stall_seconds()
     training_log.train_seconds += seconds
     training_log.stall_seconds += stall
-    if training_log.step < end:
+    if stopped:
         return state, None
-    todo = end - first
-    return state, {
+    row = {
         "epoch": epoch + 1,
         "step": training_log.step,
         "global_batch_size": batch,
-        "train_loss": float(np.mean(training_log.losses[first:end])),
-        "train_accuracy": float(np.mean(training_log.accuracies[first:end])),
+        "train_loss": None,
+        "train_accuracy": None,
         "test_loss": None,
         "test_accuracy": None,
         "epoch_seconds": seconds,
-        "images_per_second": todo * batch / seconds,
+        "images_per_second": count * batch / seconds,
         "input_wait_fraction": stall / seconds,
     }
+    if settle:
+        training_log.fill_training_metrics(row, first)
+    return state, row
 
 
 class _CallSizer:
@@ -508,8 +519,8 @@ class _Fetch:
     """Calls' (metrics, steps, stacked), on their way to the host: each metric's values of
     every call joined on the devices into one array (a transfer per array costs the host
     tens of microseconds, per step when a call is one step) and copied over asynchronously.
-    `result()` waits for them; started a call before it is read, the wait leaves the
-    devices that call to run."""
+    `ready()` says, without waiting, whether they have been computed; `result()` waits for
+    them: each metric's values of the steps that ran, in order, one flat array."""
 
     def __init__(self, calls: list):
         self.calls = list(calls)
@@ -520,16 +531,21 @@ class _Fetch:
             for array in self.joined.values():
                 array.copy_to_host_async()
 
-    def result(self) -> list:
+    def ready(self) -> bool:
+        arrays = jax.tree.leaves(self.joined if self.joined is not None else [m for m, _, _ in self.calls])
+        return all(a.is_ready() for a in arrays)
+
+    def result(self) -> dict[str, np.ndarray]:
+        calls = self.calls
         if self.joined is None:
-            return jax.device_get(self.calls)
-        joined = jax.device_get(self.joined)
-        out, at = [], 0
-        for m, steps, stacked in self.calls:
-            size = m[next(iter(m))].size
-            out.append(({name: joined[name][at : at + size] for name in m}, steps, stacked))
-            at += size
-        return out
+            calls = jax.device_get(calls)
+            joined = {name: np.concatenate([np.reshape(m[name], -1) for m, _, _ in calls]) for name in calls[0][0]}
+        else:
+            joined = jax.device_get(self.joined)
+        # a call's values: [held] stacked (an epoch's last may hold more steps than it ran), else one
+        held = [m[next(iter(m))].size if stacked else 1 for m, _, stacked in calls]
+        ran = np.concatenate([np.arange(h) < steps for h, (_, steps, _) in zip(held, calls, strict=True)])
+        return {name: values[ran] for name, values in joined.items()}
 
 
 class _TrainingLog:
@@ -557,24 +573,46 @@ class _TrainingLog:
         self.eval_examples = None  # test examples this process reads (its rows of each batch)
         self.calls = {}  # the steps per call the run ended with, and the step time its choice read
         self.fingerprint = None
+        self.pending: list[tuple[dict, int, bool]] = []  # calls' (metrics, steps, stacked) not yet fetched
+        self.older = 0  # steps in `pending` before its newest call
+        self.fetching: _Fetch | None = None  # older calls' metrics on their way to the host
+        self.unfinished: list[dict] = []  # epochs' rows waiting for their training metrics
+        self.publish: Callable[[dict], None] = lambda row: None
 
-    def collect(self, calls: list) -> None:
-        """Move pending calls' metrics ((metrics, steps, stacked) each) to the host and check
-        them (a sync point: waits for those calls); `calls` is emptied."""
-        self.record(_Fetch(calls).result())
-        calls.clear()
+    def add_call(self, metrics: dict, steps: int, stacked: bool) -> None:
+        """A call just dispatched: its metrics join those on their way to the host. Every
+        NONFINITE_CHECK_STEPS steps the calls before the newest are fetched (joined, copied
+        asynchronously); a fetch is read once its arrays are ready, and waited for only when
+        the next is due: nothing here waits on the devices while they keep up."""
+        if self.fetching is not None and (self.fetching.ready() or self.older >= NONFINITE_CHECK_STEPS):
+            fetching, self.fetching = self.fetching, None
+            self.record(fetching.result())
+        self.older += self.pending[-1][1] if self.pending else 0
+        self.pending.append((metrics, steps, stacked))
+        if self.fetching is None and self.older >= NONFINITE_CHECK_STEPS:
+            self.fetching = _Fetch(self.pending[:-1])
+            del self.pending[:-1]
+            self.older = 0
 
-    def record(self, calls: list) -> None:
-        """Calls' metrics, on the host, into the histories; checked."""
+    def drain(self) -> None:
+        """Every dispatched call's metrics on the host and checked (waits for the last)."""
+        fetching, self.fetching = self.fetching, None
+        if fetching is not None:
+            self.record(fetching.result())
+        calls, self.pending, self.older = self.pending, [], 0
+        if calls:
+            self.record(_Fetch(calls).result())
+
+    def record(self, metrics: dict[str, np.ndarray]) -> None:
+        """Steps' metrics, on the host, into the histories; checked. Epochs whose rows wait
+        for these are finished and published."""
         start = len(self.losses)
-        for m, steps, stacked in calls:
-            # one call's [held] steps' metrics: the first `steps` ran (an epoch's last call may hold more)
-            m = {name: np.reshape(value, -1)[:steps] if stacked else np.reshape(value, 1) for name, value in m.items()}
-            self.losses.extend(map(float, m["loss"]))
-            self.accuracies.extend(map(float, m["accuracy"]))
-            self.skipped += int(np.sum(m.get("skipped", 0)))
-        bad = [k for k, v in enumerate(self.losses[start:], start + 1) if not math.isfinite(v)]
-        if bad and not self.skip_nonfinite:
+        self.losses.extend(metrics["loss"].tolist())
+        self.accuracies.extend(metrics["accuracy"].tolist())
+        self.skipped += int(np.sum(metrics["skipped"])) if "skipped" in metrics else 0
+        finite = np.isfinite(metrics["loss"])
+        if not finite.all() and not self.skip_nonfinite:
+            at = start + int(np.argmin(finite))  # the first non-finite step, 0-based
             where = ""
             if self.checkpointer is not None:
                 where = (
@@ -583,13 +621,28 @@ class _TrainingLog:
                     else "; no checkpoint was saved before it"
                 )
             raise NonFiniteLoss(
-                f"training loss is {self.losses[bad[0] - 1]} at step {bad[0]}; stopped{where}. "
+                f"training loss is {self.losses[at]} at step {at + 1}; stopped{where}. "
                 "Lower --lr, or pass --skip-nonfinite to skip such steps"
             )
+        while self.unfinished and self.unfinished[0]["step"] <= len(self.losses):
+            row = self.unfinished.pop(0)
+            self.fill_training_metrics(row, row["step"] - self.steps_per_epoch[row["epoch"] - 1])
+            self.rows.append(row)
+            self.publish(row)
+
+    def finish_later(self, row: dict) -> None:
+        """An epoch's row whose training metrics are still on their way (no evaluation, no
+        checkpoint at its end): recorded and published once they arrive."""
+        self.unfinished.append(row)
+
+    def fill_training_metrics(self, row: dict, first: int) -> None:
+        row["train_loss"] = float(np.mean(self.losses[first : row["step"]]))
+        row["train_accuracy"] = float(np.mean(self.accuracies[first : row["step"]]))
 
     def save(self, state, batches: Batches, checkpointer=None) -> None:
         """Save to `checkpointer` (default: the run's periodic one)."""
         checkpointer = checkpointer or self.checkpointer
+        self.drain()  # never save a state that followed a non-finite loss
         self.fingerprint = self.fingerprint or state_fingerprint(state)
         record = {
             "step": self.step, "loss_history": self.losses, "accuracy_history": self.accuracies, "epochs": self.rows,

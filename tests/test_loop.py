@@ -147,6 +147,40 @@ def test_a_non_finite_loss_is_caught_within_a_call_and_nothing_after_it_is_saved
     assert Checkpointer(tmp_path / "ck", every=1).steps() == []  # the first call's state followed the nan
 
 
+@pytest.mark.parametrize("per_call", [1, 4])
+def test_a_non_finite_loss_stops_the_run_within_its_documented_bound(per_call):
+    """The loop never waits for metrics while the devices keep up, yet a NaN (from step 2,
+    at a learning rate of 1e30) stops the run having dispatched at most
+    2 x NONFINITE_CHECK_STEPS steps plus four calls past it -- what the docs promise."""
+    import re
+
+    from jaxcnn.config import OptimConfig
+    from jaxcnn.fit import NONFINITE_CHECK_STEPS, NonFiniteLoss
+    from jaxcnn.program import StepCall
+
+    data, layout, mesh = bundled_digits(), layout_named("single"), build_mesh({"data": 1})
+    on, _ = choose("on", data, layout, mesh, Augment(), 0)
+    optim = OptimConfig(name="sgd", learning_rate=1e30, schedule="constant", warmup_steps=0, momentum=0)
+    program = build_program(TINY_PLAIN, optim, layout, mesh, data.image_shape, 16, 400, with_eval=False,
+                            on_device=on, steps_per_call=per_call)  # fmt: skip
+    dispatched = []
+    for steps in {per_call, (len(data) // 16) % per_call or per_call}:  # (an epoch's last call)
+        call = program.calls.get(steps, True)
+
+        def counted(*args, call=call):
+            dispatched.append(call.steps)
+            return call.run(*args)
+
+        program.calls._calls[(steps, True)] = StepCall(counted, steps, True, call.stacked)
+    config = TrainConfig(batch_size=16, epochs=4, steps_per_call=per_call)
+    with pytest.raises(NonFiniteLoss) as stopped:
+        fit(program, program.init(), Loader(data), None, config, progress=False,
+            device_data=placed(data, on, layout, mesh))  # fmt: skip
+    first_bad = int(re.search(r"at step (\d+)", str(stopped.value)).group(1))
+    assert first_bad <= 2
+    assert first_bad < sum(dispatched) <= first_bad + 2 * NONFINITE_CHECK_STEPS + 4 * per_call
+
+
 def test_k_larger_than_an_epoch_is_cut_to_the_epoch(tmp_path):
     """--steps-per-call 64 with epochs of 4 steps (batch 320): calls of 4, every step run."""
     run = _train(tmp_path, "long", "--data-on-device", "on", "--steps-per-call", "64", "--batch-size", "320",
@@ -172,6 +206,7 @@ def test_auto_keeps_k_steps_a_call_only_where_its_calls_take_less_per_step(monke
         build_program(TINY_PLAIN, _optim(), layout, mesh, data.image_shape, 16, 120, with_eval=False, on_device=where)
         for where in (on, None)
     )  # fmt: skip
+    device.calls.get(4, True)  # compiled now: on a loaded machine its compile on a thread could outlast the run
     slowed = (1, True) if faster == "k" else (4, True)
     call = device.calls.get(*slowed)
 

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
 from jaxcnn.data import Augment, Dataset, Loader
+from jaxcnn.data.loader import batch_indices
 from jaxcnn.data.on_device import choose, placed
 from jaxcnn.fit import fit
 from jaxcnn.sharding import build_mesh, get_layout
@@ -67,15 +68,29 @@ def _bare_ms(case: LoopCase, program, device_data, steps: int, per_call: int) ->
     """A Python loop calling the same compiled call on inputs placed once: ms per step."""
     batch = case.batch_size
     if device_data is not None:
+        # epoch 0's rows as fit places them (its examples' indices in the loader's order, the
+        # epoch, the batch index, the epoch's steps; twice an epoch's), and a cursor placed for
+        # each of its full calls: the calls walk the epoch's examples as fit's do, nothing placed per call
         replicated = NamedSharding(program.mesh, P())
-        epoch = len(case.data) // batch  # rows: indices, epoch 0, batch k, the epoch's steps; twice an epoch's
+        epoch = len(case.data) // batch
         rows = np.zeros((2 * epoch, batch + 3), np.int32)
-        rows[:epoch, :batch] = np.arange(epoch * batch).reshape(epoch, batch)
+        indices = np.stack(batch_indices(len(case.data), batch, 0, 0))
+        order = program.train_input.order
+        rows[:epoch, :batch] = indices if order is None else indices[:, order]
         rows[:epoch, -2], rows[:epoch, -1] = np.arange(epoch), epoch
-        cursor = jax.device_put(np.int32(0), replicated)
-        inputs = (*device_data, jax.device_put(rows.astype(np.int32), replicated), cursor)
+        cursors = [jax.device_put(np.int32(k * per_call), replicated) for k in range(epoch // per_call)]
+        placed_rows = jax.device_put(rows, replicated)
         run = program.calls.get(per_call, True).run
-    elif per_call == 1:
+        state = program.init()
+        state, _ = run(state, *device_data, placed_rows, cursors[0])  # compiled already; the first call warms up
+        jax.block_until_ready(state)
+        calls = max(1, steps // per_call)
+        start = time.perf_counter()
+        for k in range(calls):
+            state, metrics = run(state, *device_data, placed_rows, cursors[k % len(cursors)])
+        jax.block_until_ready((state, metrics))
+        return 1e3 * (time.perf_counter() - start) / (calls * per_call)
+    if per_call == 1:
         inputs, run = program.train_input.place(case.data.images[:batch], case.data.labels[:batch]), program.train_step
     else:
         rows = program.train_input.share.take(np.arange(batch))
@@ -87,7 +102,7 @@ def _bare_ms(case: LoopCase, program, device_data, steps: int, per_call: int) ->
     jax.block_until_ready(state)
     calls = max(1, steps // per_call)
     start = time.perf_counter()
-    for _ in range(calls):  # (on the devices: the same rows again, cursor 0: its "next_row" not taken)
+    for _ in range(calls):
         state, metrics = run(state, *inputs)
     jax.block_until_ready((state, metrics))
     return 1e3 * (time.perf_counter() - start) / (calls * per_call)
@@ -114,9 +129,10 @@ def measure_loop(
         per_call = steps_per_call if mode.endswith("-K") else 1
         program = _program(case, on_device, per_call, steps * rounds + 10)
         device_data = placed(data, on_device, program.layout, program.mesh) if on_device else None
-        remainder = (len(case.data) // case.batch_size) % per_call
-        if on_device and remainder:  # an epoch's last call (fit compiles it ahead): not timed compiling
-            program.calls.get(remainder, True)
+        epoch = len(case.data) // case.batch_size
+        for remainder in {epoch % per_call, steps % epoch % per_call} - {0}:
+            if on_device:  # an epoch's last call, and the run's (fit compiles them ahead): not timed compiling
+                program.calls.get(remainder, True)
         setups[mode] = (program, device_data, per_call)
     times = {mode: ([], []) for mode in modes}
     for round_ in range(rounds):

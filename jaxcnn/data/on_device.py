@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.data.loader import Augment, Schedule, batch_indices
+from jaxcnn.data.loader import Augment, Schedule, epoch_order
 from jaxcnn.data.sources import FULL_SCALES, Dataset
 from jaxcnn.errors import UserError
 from jaxcnn.run_config import DATA_ON_DEVICE
@@ -163,7 +163,8 @@ class DeviceFeed:
     def _epoch_rows(self, epoch: int) -> jax.Array:
         """Epoch `epoch`'s rows, padded to twice a whole epoch's, placed."""
         placement = self._placements[epoch]
-        batches = np.stack(batch_indices(self.size, placement.batch_size, epoch, self.seed))
+        full = self.size // placement.batch_size  # batch_indices' batches, without a list of them
+        batches = epoch_order(self.size, epoch, self.seed)[: full * placement.batch_size].reshape(full, -1)
         if placement.order is not None:
             batches = batches[:, placement.order]
         steps = int(self._steps.starts[epoch + 1] - self._steps.starts[epoch])
