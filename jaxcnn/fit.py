@@ -15,6 +15,7 @@ agrees on: the state is saved (`Interrupted`) and the run can continue from it e
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
 import time
@@ -164,8 +165,9 @@ def fit(
     read once they are, at the latest when the next are due): a non-finite loss stops the
     run at most twice that many steps plus four calls after it. An epoch's end waits for
     the devices only where something needs it -- its evaluation, a checkpoint, the run's
-    end; else its row is finished (and `on_epoch` called, its line printed) once its
-    metrics arrive, and it is timed to its last call's dispatch, the devices' backlog
+    end, the host loader's stall clock; else (the data on the devices, no test set) its
+    row is filled in once its metrics arrive and published (`on_epoch`, its line) at the
+    next epoch's end, and it is timed to its last call's dispatch, the devices' backlog
     counted in the next epoch's time.
     """
     stop = stop or StopRequests(multi_process=False)
@@ -217,17 +219,13 @@ def fit(
             if first_in_epoch + count <= training_log.step:
                 continue  # finished before the checkpoint this run resumed from
             program = programs[config.batch_for_epoch(epoch)]
-            end = first_in_epoch + count
             test = tests.get(id(program))
-            # What needs this epoch's end now -- its evaluation, a checkpoint, the run's end --
-            # waits for it; else its row is finished once its metrics reach the host
-            settle = test is not None or end == total or (
-                checkpointer is not None and checkpointer.due(end, since=max(first_in_epoch, training_log.step))
-            )
             state, row = _train_epoch(
-                program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop, sizer, settle
-            )
-            if row is not None and settle:  # the epoch ran to its end (a stop mid-epoch leaves no row)
+                program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop, sizer,
+                evaluates=test is not None,
+            )  # fmt: skip
+            training_log.publish_finished()  # earlier epochs' rows whose metrics arrived meanwhile
+            if row is not None and row["train_loss"] is not None:  # the epoch ended and waited for its end
                 row, result = _evaluated(row, program, state, test)
                 training_log.rows.append(row)
                 if checkpointer is not None and checkpointer.due(
@@ -244,6 +242,7 @@ def fit(
                     if training_log.step not in target.steps():  # else saved at this very step already
                         training_log.save(program.saved_form(state), batches, target)
                 training_log.drain()
+                training_log.publish_finished()
                 bar.close()
                 raise Interrupted(training_log.result(state, None), [c.directory for c in saved])
     finally:
@@ -305,14 +304,16 @@ def _train_epoch(
     bar,
     stop: StopRequests,
     sizer: _CallSizer | None,
-    settle: bool,
+    evaluates: bool,
 ):
     """Run epoch `epoch`'s steps from where `training_log` stands, a call at a time; (new
     state, the epoch's row). The row is None when a stop was requested before the epoch's
     last call. Per call the host dispatches, notes it for the stall clock, and moves the
-    bar; metrics come to the host now and then, from calls already done. `settle`: the
-    epoch's end waits for its last call and its row holds its training metrics; else the
-    devices run on into the next epoch and its metrics are filled in once they arrive."""
+    bar; metrics come to the host now and then, from calls already done. The epoch's end
+    waits for its last call where something needs it now -- its evaluation (`evaluates`),
+    a checkpoint, the run's end, the host loader's stall clock -- and its row then holds
+    its training metrics; else (None there) the devices run on into the next epoch and
+    the metrics are filled in once they arrive."""
     batch, total = program.batch_size, sum(training_log.steps_per_epoch)
     on_device = isinstance(batches, DeviceFeed)
     end = first + count
@@ -354,9 +355,17 @@ def _train_epoch(
         ):
             training_log.save(program.saved_form(state), batches)  # (reads every call before it first)
     stopped = training_log.step < end
-    if settle or stopped:
+    checkpointer = training_log.checkpointer
+    settle = (
+        stopped or evaluates or end == total
+        or not on_device  # (the host loader's stall clock waits for every step dispatched anyway)
+        or (checkpointer is not None and checkpointer.due(end, since=training_log.last_call_from))
+    )  # fmt: skip
+    if settle:
         training_log.drain()  # joined behind the last call: the devices run it meanwhile
         jax.block_until_ready(state)
+    else:
+        training_log.end_epoch()
     seconds = time.perf_counter() - start
     stall = batches.take_stall_seconds()
     training_log.train_seconds += seconds
@@ -536,15 +545,16 @@ class _Fetch:
         return all(a.is_ready() for a in arrays)
 
     def result(self) -> dict[str, np.ndarray]:
-        calls = self.calls
-        if self.joined is None:
-            calls = jax.device_get(calls)
-            joined = {name: np.concatenate([np.reshape(m[name], -1) for m, _, _ in calls]) for name in calls[0][0]}
-        else:
-            joined = jax.device_get(self.joined)
         # a call's values: [held] stacked (an epoch's last may hold more steps than it ran), else one
-        held = [m[next(iter(m))].size if stacked else 1 for m, _, stacked in calls]
-        ran = np.concatenate([np.arange(h) < steps for h, (_, steps, _) in zip(held, calls, strict=True)])
+        if self.joined is None:  # one call, or calls of different metrics: each metric of the calls with it
+            parts: dict[str, list] = {}
+            for m, steps, stacked in jax.device_get(self.calls):
+                for name, value in m.items():
+                    parts.setdefault(name, []).append(np.reshape(value, -1)[:steps] if stacked else np.reshape(value, 1))
+            return {name: np.concatenate(values) for name, values in parts.items()}
+        joined = jax.device_get(self.joined)
+        held = [m[next(iter(m))].size if stacked else 1 for m, _, stacked in self.calls]
+        ran = np.concatenate([np.arange(h) < steps for h, (_, steps, _) in zip(held, self.calls, strict=True)])
         return {name: values[ran] for name, values in joined.items()}
 
 
@@ -575,44 +585,59 @@ class _TrainingLog:
         self.fingerprint = None
         self.pending: list[tuple[dict, int, bool]] = []  # calls' (metrics, steps, stacked) not yet fetched
         self.older = 0  # steps in `pending` before its newest call
-        self.fetching: _Fetch | None = None  # older calls' metrics on their way to the host
+        self.fetching: collections.deque[_Fetch] = collections.deque()  # older calls' metrics on their way
+        self.poll = jax.process_count() == 1  # read a fetch once it is ready (else only when due)
         self.unfinished: list[dict] = []  # epochs' rows waiting for their training metrics
+        self.finished: list[dict] = []  # rows filled in, not yet published
         self.publish: Callable[[dict], None] = lambda row: None
 
     def add_call(self, metrics: dict, steps: int, stacked: bool) -> None:
         """A call just dispatched: its metrics join those on their way to the host. Every
         NONFINITE_CHECK_STEPS steps the calls before the newest are fetched (joined, copied
-        asynchronously); a fetch is read once its arrays are ready, and waited for only when
-        the next is due: nothing here waits on the devices while they keep up."""
-        if self.fetching is not None and (self.fetching.ready() or self.older >= NONFINITE_CHECK_STEPS):
-            fetching, self.fetching = self.fetching, None
-            self.record(fetching.result())
+        asynchronously). One process reads a fetch once its arrays are ready; it waits for
+        one only when the next is due -- so while the devices keep up, nothing here waits on
+        them. Several processes read only then, each at the same call (a non-finite loss
+        must stop every one of them at the same step: their collectives pair up)."""
+        while self.fetching and self.poll and self.fetching[0].ready():
+            self.record(self.fetching.popleft().result())
         self.older += self.pending[-1][1] if self.pending else 0
         self.pending.append((metrics, steps, stacked))
-        if self.fetching is None and self.older >= NONFINITE_CHECK_STEPS:
-            self.fetching = _Fetch(self.pending[:-1])
+        if self.older >= NONFINITE_CHECK_STEPS:
+            while self.fetching:  # due: started a fetch's worth of steps ago
+                self.record(self.fetching.popleft().result())
+            self.fetching.append(_Fetch(self.pending[:-1]))
             del self.pending[:-1]
             self.older = 0
 
+    def end_epoch(self) -> None:
+        """An epoch's end nothing waits for: its last calls' metrics on their way, joined apart
+        from the next epoch's (each epoch then joins the same calls: one compiled join each)."""
+        if self.pending:
+            self.fetching.append(_Fetch(self.pending))
+        self.pending, self.older = [], 0
+
     def drain(self) -> None:
         """Every dispatched call's metrics on the host and checked (waits for the last)."""
-        fetching, self.fetching = self.fetching, None
-        if fetching is not None:
-            self.record(fetching.result())
-        calls, self.pending, self.older = self.pending, [], 0
-        if calls:
-            self.record(_Fetch(calls).result())
+        self.end_epoch()
+        while self.fetching:
+            self.record(self.fetching.popleft().result())
 
     def record(self, metrics: dict[str, np.ndarray]) -> None:
-        """Steps' metrics, on the host, into the histories; checked. Epochs whose rows wait
-        for these are finished and published."""
+        """Steps' metrics, on the host, into the histories; checked. The rows of epochs whose
+        metrics these complete are filled in (published at the loop's next epoch boundary)."""
         start = len(self.losses)
         self.losses.extend(metrics["loss"].tolist())
         self.accuracies.extend(metrics["accuracy"].tolist())
         self.skipped += int(np.sum(metrics["skipped"])) if "skipped" in metrics else 0
         finite = np.isfinite(metrics["loss"])
-        if not finite.all() and not self.skip_nonfinite:
-            at = start + int(np.argmin(finite))  # the first non-finite step, 0-based
+        bad = None if finite.all() or self.skip_nonfinite else start + int(np.argmin(finite))  # 0-based step
+        while self.unfinished and self.unfinished[0]["step"] <= (len(self.losses) if bad is None else bad):
+            row = self.unfinished.pop(0)
+            self.fill_training_metrics(row, row["step"] - self.steps_per_epoch[row["epoch"] - 1])
+            self.rows.append(row)
+            self.finished.append(row)
+        if bad is not None:
+            self.publish_finished()  # the epochs before the non-finite step ended well: shown as such
             where = ""
             if self.checkpointer is not None:
                 where = (
@@ -621,19 +646,21 @@ class _TrainingLog:
                     else "; no checkpoint was saved before it"
                 )
             raise NonFiniteLoss(
-                f"training loss is {self.losses[at]} at step {at + 1}; stopped{where}. "
+                f"training loss is {self.losses[bad]} at step {bad + 1}; stopped{where}. "
                 "Lower --lr, or pass --skip-nonfinite to skip such steps"
             )
-        while self.unfinished and self.unfinished[0]["step"] <= len(self.losses):
-            row = self.unfinished.pop(0)
-            self.fill_training_metrics(row, row["step"] - self.steps_per_epoch[row["epoch"] - 1])
-            self.rows.append(row)
-            self.publish(row)
 
     def finish_later(self, row: dict) -> None:
-        """An epoch's row whose training metrics are still on their way (no evaluation, no
-        checkpoint at its end): recorded and published once they arrive."""
+        """An epoch's row whose training metrics are still on their way (its end waited for
+        nothing): filled in and kept once they arrive."""
         self.unfinished.append(row)
+
+    def publish_finished(self) -> None:
+        """Rows filled in since the last call: to `on_epoch` and the screen (outside the
+        timed loop: a callback's writing is not the loop's)."""
+        finished, self.finished = self.finished, []
+        for row in finished:
+            self.publish(row)
 
     def fill_training_metrics(self, row: dict, first: int) -> None:
         row["train_loss"] = float(np.mean(self.losses[first : row["step"]]))

@@ -181,6 +181,27 @@ def test_a_non_finite_loss_stops_the_run_within_its_documented_bound(per_call):
     assert first_bad < sum(dispatched) <= first_bad + 2 * NONFINITE_CHECK_STEPS + 4 * per_call
 
 
+def test_epochs_whose_end_waits_for_nothing_still_give_every_row_in_order():
+    """With the data on the device and no test set an epoch's end does not wait for the
+    devices: its row is filled in once its metrics arrive. Every epoch still gets its row,
+    in order, once, to `on_epoch` and in the result, its loss the mean of its own steps'."""
+    data, layout, mesh = bundled_digits(), layout_named("single"), build_mesh({"data": 1})
+    on, _ = choose("on", data, layout, mesh, Augment(), 0)
+    program = build_program(TINY_PLAIN, _optim(), layout, mesh, data.image_shape, 128, 60, with_eval=False,
+                            on_device=on)  # fmt: skip
+    seen = []
+    result = fit(
+        program, program.init(), Loader(data), None, TrainConfig(batch_size=128, epochs=5), progress=False,
+        device_data=placed(data, on, layout, mesh), on_epoch=lambda row, losses: seen.append((dict(row), list(losses))),
+    )  # fmt: skip
+    steps = len(data) // 128
+    assert [row["epoch"] for row, _ in seen] == [row["epoch"] for row in result.epochs] == [1, 2, 3, 4, 5]
+    for k, (row, losses) in enumerate(seen):
+        assert losses == result.loss_history[k * steps : (k + 1) * steps]
+        assert row["step"] == (k + 1) * steps and row["train_loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+        assert row == result.epochs[k]
+
+
 def test_k_larger_than_an_epoch_is_cut_to_the_epoch(tmp_path):
     """--steps-per-call 64 with epochs of 4 steps (batch 320): calls of 4, every step run."""
     run = _train(tmp_path, "long", "--data-on-device", "on", "--steps-per-call", "64", "--batch-size", "320",

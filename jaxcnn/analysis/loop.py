@@ -131,7 +131,9 @@ def measure_loop(
         device_data = placed(data, on_device, program.layout, program.mesh) if on_device else None
         epoch = len(case.data) // case.batch_size
         for remainder in {epoch % per_call, steps % epoch % per_call} - {0}:
-            if on_device:  # an epoch's last call, and the run's (fit compiles them ahead): not timed compiling
+            # an epoch's last call (fit compiles it ahead) and the run's (fit would run a full one,
+            # its extra steps dropped): compiled now, so that fit runs exactly its steps, as the bare loop does
+            if on_device:
                 program.calls.get(remainder, True)
         setups[mode] = (program, device_data, per_call)
     times = {mode: ([], []) for mode in modes}
