@@ -323,11 +323,14 @@ def _train_epoch(
         remainder = count % batches.steps_per_call
         if remainder:
             program.calls.compile_ahead(remainder, True)
+    runners = {}  # (steps, held) -> _step_runner's answer, for full calls (a short one's may change)
     start = time.perf_counter()
     while training_log.step < end:
         started = time.perf_counter()
         steps, held, inputs = batches.next_call()
-        run, stacked = _step_runner(program, steps, held, on_device)
+        run, stacked = runners.get((steps, held)) or _step_runner(program, steps, held, on_device)
+        if steps == held:
+            runners[steps, held] = run, stacked
         state, call_metrics = run(state, *inputs)
         dispatched = time.perf_counter()
         if program.averaging is not None:  # local SGD (one step a call): the replicas meet when due
@@ -539,10 +542,10 @@ class _Fetch:
             self.joined = _joined([m for m, _, _ in self.calls])
             for array in self.joined.values():
                 array.copy_to_host_async()
+        self.arrays = jax.tree.leaves(self.joined if self.joined is not None else [m for m, _, _ in self.calls])
 
     def ready(self) -> bool:
-        arrays = jax.tree.leaves(self.joined if self.joined is not None else [m for m, _, _ in self.calls])
-        return all(a.is_ready() for a in arrays)
+        return all(a.is_ready() for a in self.arrays)
 
     def result(self) -> dict[str, np.ndarray]:
         # a call's values: [held] stacked (an epoch's last may hold more steps than it ran), else one
