@@ -341,7 +341,8 @@ def loop_overhead_plot(rows: list[dict], path: Path) -> Path:
         )
         ax.set_ylabel("ms per step")
         ax.set_title(f"{case}, {data} ({mine[0]['devices']} device(s), batch {mine[0]['batch_size']})")
-        ax.legend()
+        ax.set_ylim(0, 1.3 * max(max(r["fit_ms_per_step"], r["bare_ms_per_step"]) for r in mine))  # room for the legend
+        ax.legend(loc="upper right", fontsize=8)
     return _save(fig, path)
 
 
