@@ -235,7 +235,7 @@ def fit(
                     training_log.save(program.saved_form(state), batches)
                 publish(row)
             elif row is not None:
-                training_log.finish_later(row)
+                training_log.unfinished.append(row)  # filled in once its metrics arrive
             if row is None or (stop.check() and training_log.step < total):  # asked to stop, in training or eval
                 saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
                 for target in saved:
@@ -652,11 +652,6 @@ class _TrainingLog:
                 f"training loss is {self.losses[bad]} at step {bad + 1}; stopped{where}. "
                 "Lower --lr, or pass --skip-nonfinite to skip such steps"
             )
-
-    def finish_later(self, row: dict) -> None:
-        """An epoch's row whose training metrics are still on their way (its end waited for
-        nothing): filled in and kept once they arrive."""
-        self.unfinished.append(row)
 
     def publish_finished(self) -> None:
         """Rows filled in since the last call: to `on_epoch` and the screen (outside the

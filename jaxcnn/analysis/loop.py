@@ -21,8 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
 from jaxcnn.data import Augment, Dataset, Loader
-from jaxcnn.data.loader import batch_indices
-from jaxcnn.data.on_device import choose, placed
+from jaxcnn.data.on_device import choose, epoch_rows, placed
 from jaxcnn.fit import fit
 from jaxcnn.sharding import build_mesh, get_layout
 from jaxcnn.sharding.placement import StackedPlacement
@@ -68,16 +67,11 @@ def _bare_ms(case: LoopCase, program, device_data, steps: int, per_call: int) ->
     """A Python loop calling the same compiled call on inputs placed once: ms per step."""
     batch = case.batch_size
     if device_data is not None:
-        # epoch 0's rows as fit places them (its examples' indices in the loader's order, the
-        # epoch, the batch index, the epoch's steps; twice an epoch's), and a cursor placed for
-        # each of its full calls: the calls walk the epoch's examples as fit's do, nothing placed per call
+        # epoch 0's rows as fit places them, and a cursor placed for each of its full calls:
+        # the calls walk the epoch's examples as fit's do, nothing placed per call
         replicated = NamedSharding(program.mesh, P())
         epoch = len(case.data) // batch
-        rows = np.zeros((2 * epoch, batch + 3), np.int32)
-        indices = np.stack(batch_indices(len(case.data), batch, 0, 0))
-        order = program.train_input.order
-        rows[:epoch, :batch] = indices if order is None else indices[:, order]
-        rows[:epoch, -2], rows[:epoch, -1] = np.arange(epoch), epoch
+        rows = epoch_rows(len(case.data), program.train_input, 0, 0, epoch)
         cursors = [jax.device_put(np.int32(k * per_call), replicated) for k in range(epoch // per_call)]
         placed_rows = jax.device_put(rows, replicated)
         run = program.calls.get(per_call, True).run

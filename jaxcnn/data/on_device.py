@@ -134,6 +134,22 @@ def placed(dataset: Dataset, on: OnDevice, layout: Layout, mesh: Mesh) -> tuple[
     return to_global(images, NamedSharding(mesh, spec)), to_global(labels, NamedSharding(mesh, spec))
 
 
+def epoch_rows(size: int, placement: BatchPlacement, epoch: int, seed: int, steps: int) -> np.ndarray:
+    """Epoch `epoch`'s rows [2S, B + 3] for a training set of `size` examples (S whole
+    batches): row r is step r's example indices (the host loader's, in the order the
+    step's program takes its batch), its epoch, r, and the epoch's `steps` (fewer than S
+    where the run ends mid-epoch); rows past S are zeros."""
+    batch = placement.batch_size
+    full = size // batch  # batch_indices' batches, without a list of them
+    batches = epoch_order(size, epoch, seed)[: full * batch].reshape(full, batch)
+    if placement.order is not None:
+        batches = batches[:, placement.order]
+    where = np.stack([np.full(full, epoch), np.arange(full), np.full(full, steps)], axis=1)
+    rows = np.zeros((2 * full, batch + 3), np.int32)
+    rows[:full] = np.concatenate([batches, where], axis=1)
+    return rows
+
+
 class DeviceFeed:
     """The run's steps as calls on data held on the devices. Once an epoch, its rows
     [steps, B + 2] -- each step's examples' indices (in the order the epoch's program takes
@@ -161,17 +177,9 @@ class DeviceFeed:
         self.wait_seconds = 0.0
 
     def _epoch_rows(self, epoch: int) -> jax.Array:
-        """Epoch `epoch`'s rows, padded to twice a whole epoch's, placed."""
-        placement = self._placements[epoch]
-        full = self.size // placement.batch_size  # batch_indices' batches, without a list of them
-        batches = epoch_order(self.size, epoch, self.seed)[: full * placement.batch_size].reshape(full, -1)
-        if placement.order is not None:
-            batches = batches[:, placement.order]
+        """Epoch `epoch`'s rows, placed."""
         steps = int(self._steps.starts[epoch + 1] - self._steps.starts[epoch])
-        where = np.stack([np.full(len(batches), epoch), np.arange(len(batches)), np.full(len(batches), steps)], axis=1)
-        rows = np.zeros((2 * (self.size // placement.batch_size), placement.batch_size + 3), np.int32)
-        rows[: len(batches)] = np.concatenate([batches, where], axis=1)
-        return to_global(rows, self._replicated)
+        return to_global(epoch_rows(self.size, self._placements[epoch], epoch, self.seed, steps), self._replicated)
 
     def _cursor_at(self, index: int) -> jax.Array:
         return put_whole(np.int32(index), self._replicated)  # (placed while calls with collectives may run)
