@@ -22,6 +22,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +163,7 @@ def fit(
     times the first steps and, with the data on the devices and a step short enough for
     the host to matter, compiles a call of enough steps on a thread and switches to it.
     Metrics come to the host every NONFINITE_CHECK_STEPS steps (from calls already done,
-    read once they are, at the latest when the next are due): a non-finite loss stops the
+    read once they are, at the latest that many steps later): a non-finite loss stops the
     run at most twice that many steps plus four calls after it. An epoch's end waits for
     the devices only where something needs it -- its evaluation, a checkpoint, the run's
     end, the host loader's stall clock; else (the data on the devices, no test set) its
@@ -186,7 +187,8 @@ def fit(
     fixed = config.steps_per_call if isinstance(config.steps_per_call, int) else 1
     if device_data is not None:
         first = position["next_step"] if position else 0
-        batches = DeviceFeed(device_data, len(loader), steps_per_epoch, placements, config.seed, first, fixed)
+        carries = [programs[config.batch_for_epoch(epoch)].calls.carry for epoch in range(len(steps_per_epoch))]
+        batches = DeviceFeed(device_data, len(loader), steps_per_epoch, placements, carries, config.seed, first, fixed)
     else:
         batches = loader.batches(steps_per_epoch, placements, config.seed, position, steps_per_call=fixed)
     first_program = programs[config.batch_for_epoch(0)]
@@ -331,7 +333,7 @@ def _train_epoch(
         run, stacked = runners.get((steps, held)) or _step_runner(program, steps, held, on_device)
         if steps == held:
             runners[steps, held] = run, stacked
-        state, call_metrics = run(state, *inputs)
+        state, outputs = run(state, *inputs)
         dispatched = time.perf_counter()
         if program.averaging is not None:  # local SGD (one step a call): the replicas meet when due
             state = program.averaging.after_step(state, training_log.step + 1, total)
@@ -340,14 +342,15 @@ def _train_epoch(
             training_log.first_step_finished = time.perf_counter()
             training_log.first_step_seconds = training_log.first_step_finished - start
             training_log.first_call_images = steps * batch
-        batches.dispatched(call_metrics)  # the stall's clock: when this call finishes
+        batches.dispatched(outputs)  # the stall's clock: when this call finishes; on the devices, the next's carry
+        row = training_log.step - first if on_device else None  # (the epoch's log holds its metrics from here)
         training_log.last_call_from = training_log.step
         training_log.step += steps
         training_log.images_seen += steps * batch
         bar.update(steps)
         if sizer is not None:
             sizer.after_call(program, state, steps, started, dispatched, training_log.step)
-        training_log.add_call(call_metrics, steps, stacked)
+        training_log.add_call(_Call(outputs["log"] if on_device else outputs, steps, stacked, row))
         if training_log.step < end and stop.check():
             break
         checkpointer = training_log.checkpointer
@@ -527,37 +530,59 @@ def _joined(metrics: list[dict]) -> dict:
     return {name: jnp.concatenate([jnp.reshape(m[name], -1) for m in metrics]) for name in metrics[0]}
 
 
-class _Fetch:
-    """Calls' (metrics, steps, stacked), on their way to the host: each metric's values of
-    every call joined on the devices into one array (a transfer per array costs the host
-    tens of microseconds, per step when a call is one step) and copied over asynchronously.
-    `ready()` says, without waiting, whether they have been computed; `result()` waits for
-    them: each metric's values of the steps that ran, in order, one flat array."""
+class _Call(NamedTuple):
+    """A call dispatched, as the training log keeps it until its metrics are fetched."""
 
-    def __init__(self, calls: list):
+    metrics: dict  # each metric [held] when `stacked`, else a scalar; on the devices its epoch's log
+    steps: int  # the steps it ran
+    stacked: bool
+    row: int | None = None  # on the devices: its epoch's row it began at (its metrics' place in the log)
+
+
+class _Fetch:
+    """Calls' metrics on their way to the host, copied over asynchronously: with the data on
+    the devices, the newest call's log of its epoch (every call before it in the epoch
+    written there); else each metric's values of every call joined on the devices into one
+    array (a transfer per array costs the host tens of microseconds, per step when a call is
+    one step). `ready()` says, without waiting, whether they have been computed; `result()`
+    waits for them: each metric's values of the steps that ran, in order, one flat array."""
+
+    def __init__(self, calls: list[_Call]):
         self.calls = list(calls)
-        names = list(self.calls[0][0]) if self.calls else []
-        self.joined = None
-        if len(self.calls) > 1 and all(list(m) == names for m, _, _ in self.calls):  # else (rare) one by one
-            self.joined = _joined([m for m, _, _ in self.calls])
-            for array in self.joined.values():
-                array.copy_to_host_async()
-        self.arrays = jax.tree.leaves(self.joined if self.joined is not None else [m for m, _, _ in self.calls])
+        self.joined = self.log = None
+        self.short = False  # some call holds more steps than it ran (an epoch's last): their values dropped
+        if self.calls[-1].row is not None:  # the calls of one epoch (the log's), in order
+            self.log, self.span = self.calls[-1].metrics, (self.calls[0].row, self.calls[-1].row + self.calls[-1].steps)
+            arrays = list(self.log.values())
+        elif len(self.calls) > 1 and all(c.metrics.keys() == self.calls[0].metrics.keys() for c in self.calls):
+            self.joined = _joined([c.metrics for c in self.calls])
+            arrays = list(self.joined.values())
+            self.short = any(c.stacked and c.steps < next(iter(c.metrics.values())).shape[0] for c in self.calls)
+        else:  # one call, or (rare) calls of different metrics: one by one
+            arrays = jax.tree.leaves([c.metrics for c in self.calls])
+        for array in arrays:
+            array.copy_to_host_async()
+        # what ready() asks: one program's outputs are ready together
+        self.arrays = arrays[:1] if self.joined is not None or self.log is not None else arrays
 
     def ready(self) -> bool:
         return all(a.is_ready() for a in self.arrays)
 
     def result(self) -> dict[str, np.ndarray]:
-        # a call's values: [held] stacked (an epoch's last may hold more steps than it ran), else one
-        if self.joined is None:  # one call, or calls of different metrics: each metric of the calls with it
+        if self.log is not None:
+            start, stop = self.span
+            return {name: values[start:stop] for name, values in jax.device_get(self.log).items()}
+        if self.joined is None:  # each metric of the calls with it
             parts: dict[str, list] = {}
-            for m, steps, stacked in jax.device_get(self.calls):
+            for m, steps, stacked, _ in jax.device_get(self.calls):
                 for name, value in m.items():
                     parts.setdefault(name, []).append(np.reshape(value, -1)[:steps] if stacked else np.reshape(value, 1))
             return {name: np.concatenate(values) for name, values in parts.items()}
         joined = jax.device_get(self.joined)
-        held = [m[next(iter(m))].size if stacked else 1 for m, _, stacked in self.calls]
-        ran = np.concatenate([np.arange(h) < steps for h, (_, steps, _) in zip(held, self.calls, strict=True)])
+        if not self.short:
+            return joined
+        held = [next(iter(c.metrics.values())).size if c.stacked else 1 for c in self.calls]
+        ran = np.concatenate([np.arange(h) < c.steps for h, c in zip(held, self.calls, strict=True)])
         return {name: values[ran] for name, values in joined.items()}
 
 
@@ -586,44 +611,50 @@ class _TrainingLog:
         self.eval_examples = None  # test examples this process reads (its rows of each batch)
         self.calls = {}  # the steps per call the run ended with, and the step time its choice read
         self.fingerprint = None
-        self.pending: list[tuple[dict, int, bool]] = []  # calls' (metrics, steps, stacked) not yet fetched
+        self.pending: list[_Call] = []  # calls not yet fetched
         self.older = 0  # steps in `pending` before its newest call
-        self.fetching: collections.deque[_Fetch] = collections.deque()  # older calls' metrics on their way
+        # older calls' metrics on their way: (the run's step when each was started, the fetch)
+        self.fetching: collections.deque[tuple[int, _Fetch]] = collections.deque()
         self.poll = jax.process_count() == 1  # read a fetch once it is ready (else only when due)
         self.unfinished: list[dict] = []  # epochs' rows waiting for their training metrics
         self.finished: list[dict] = []  # rows filled in, not yet published
         self.publish: Callable[[dict], None] = lambda row: None
 
-    def add_call(self, metrics: dict, steps: int, stacked: bool) -> None:
-        """A call just dispatched: its metrics join those on their way to the host. Every
-        NONFINITE_CHECK_STEPS steps the calls before the newest are fetched (joined, copied
-        asynchronously). One process reads a fetch once its arrays are ready; it waits for
-        one only when the next is due -- so while the devices keep up, nothing here waits on
-        them. Several processes read only then, each at the same call (a non-finite loss
-        must stop every one of them at the same step: their collectives pair up)."""
-        while self.fetching and self.poll and self.fetching[0].ready():
-            self.record(self.fetching.popleft().result())
-        self.older += self.pending[-1][1] if self.pending else 0
-        self.pending.append((metrics, steps, stacked))
+    def add_call(self, call: _Call) -> None:
+        """A call just dispatched: its metrics join those on their way to the host. Once the
+        calls before the newest hold NONFINITE_CHECK_STEPS steps, they are fetched (copied
+        asynchronously); so is an epoch's last calls' at its end. One process reads a fetch
+        once its arrays are ready; every process reads one, waiting if need be, once
+        NONFINITE_CHECK_STEPS more steps have been dispatched -- so while the devices keep
+        up, nothing here waits on them, and a non-finite loss is read at most two fetches'
+        worth of steps plus a few calls after it, however short the epochs. Several
+        processes read only then, each at the same call (a non-finite loss must stop every
+        one of them at the same step: their collectives pair up)."""
+        fetching = self.fetching
+        while fetching and (
+            self.step - fetching[0][0] >= NONFINITE_CHECK_STEPS or (self.poll and fetching[0][1].ready())
+        ):
+            self.record(fetching.popleft()[1].result())
+        self.older += self.pending[-1].steps if self.pending else 0
+        self.pending.append(call)
         if self.older >= NONFINITE_CHECK_STEPS:
-            while self.fetching:  # due: started a fetch's worth of steps ago
-                self.record(self.fetching.popleft().result())
-            self.fetching.append(_Fetch(self.pending[:-1]))
+            fetching.append((self.step, _Fetch(self.pending[:-1])))
             del self.pending[:-1]
             self.older = 0
 
     def end_epoch(self) -> None:
-        """An epoch's end nothing waits for: its last calls' metrics on their way, joined apart
-        from the next epoch's (each epoch then joins the same calls: one compiled join each)."""
+        """An epoch's end nothing waits for: its last calls' metrics on their way, apart from
+        the next epoch's (a fetch never spans epochs: on the devices each has its own log;
+        from the host each epoch then joins the same calls: one compiled join each)."""
         if self.pending:
-            self.fetching.append(_Fetch(self.pending))
+            self.fetching.append((self.step, _Fetch(self.pending)))
         self.pending, self.older = [], 0
 
     def drain(self) -> None:
         """Every dispatched call's metrics on the host and checked (waits for the last)."""
         self.end_epoch()
         while self.fetching:
-            self.record(self.fetching.popleft().result())
+            self.record(self.fetching.popleft()[1].result())
 
     def record(self, metrics: dict[str, np.ndarray]) -> None:
         """Steps' metrics, on the host, into the histories; checked. The rows of epochs whose

@@ -59,7 +59,9 @@ class StepCall:
     """One compiled call the training loop makes: `steps` optimizer steps, their batches
     stacked from the host or, `on_device`, gathered from the training data on the devices."""
 
-    run: Any  # (state, *inputs) -> (state, metrics): each metric [steps] when `stacked`, else a scalar
+    # (state, *inputs) -> (state, metrics): each metric [steps] when `stacked`, else a scalar; on the
+    # devices (state, carry): its metrics written into the epoch's log (jaxcnn.steps.calls.steps_on_device_data)
+    run: Any
     steps: int
     on_device: bool
     stacked: bool = True
@@ -70,8 +72,11 @@ class StepCalls:
     time it is asked for -- or ahead, on a thread (`compile_ahead`), while the loop runs
     others: the loop's automatic steps per call is chosen once the first steps are timed."""
 
-    def __init__(self, lower: Callable[[int, bool], Any], options: dict | None, ready: dict[tuple, StepCall]):
+    def __init__(
+        self, lower: Callable[[int, bool], Any], options: dict | None, ready: dict[tuple, StepCall], carry=None
+    ):
         self._lower, self._options = lower, options  # (steps, on_device) -> jax.stages.Lowered
+        self.carry = carry  # on the devices: the calls' carry, abstract (jaxcnn.steps.calls.epoch_carry)
         self._calls = dict(ready)
         self._pending: dict[tuple, Future] = {}
         self._lock = threading.Lock()

@@ -56,7 +56,7 @@ from jaxcnn.steps import (
     split_model,
     update_rule,
 )
-from jaxcnn.steps.calls import steps_in_one_call, steps_on_device_data
+from jaxcnn.steps.calls import epoch_carry, steps_in_one_call, steps_on_device_data
 
 
 def build_spmd_program(spec: ProgramSpec) -> Program:
@@ -125,6 +125,10 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     train_step = make_train_step(context, rule, param_shardings, grad_shardings)
     # --- several steps per call; batches gathered from data on the devices ---------------
     unroll = platform == "cpu"  # jaxcnn.steps.calls.over_steps: XLA:CPU's loops run a step slower
+    carry = None  # the on-device calls' carry: the next row, the epoch's metrics so far
+    if spec.on_device is not None:
+        epoch_rows = 2 * (spec.on_device.size // batch_size)
+        carry = epoch_carry(jax.eval_shape(train_step, abstract_state, images, labels)[1], epoch_rows, replicated)
 
     def lower_call(steps: int, on_device: bool):
         if on_device:
@@ -133,8 +137,8 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
             inputs = (
                 jax.ShapeDtypeStruct((stored.rows, *stored.image_shape), jnp.dtype(stored.dtype), sharding=held),
                 jax.ShapeDtypeStruct((stored.rows,), jnp.int32, sharding=held),
-                jax.ShapeDtypeStruct((2 * (stored.size // batch_size), batch_size + 3), jnp.int32, sharding=replicated),
-                jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                jax.ShapeDtypeStruct((epoch_rows, batch_size + 3), jnp.int32, sharding=replicated),
+                carry,
             )
             call = steps_on_device_data(
                 train_step, steps, mesh, batch_axes(layout, mesh), stored, image_sharding, vector_sharding, unroll
@@ -148,7 +152,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
             )
             call = steps_in_one_call(train_step, steps, unroll)
         jitted = jax.jit(
-            call, in_shardings=(state_shardings, *(a.sharding for a in inputs)),
+            call, in_shardings=(state_shardings, *jax.tree.map(lambda a: a.sharding, inputs)),
             out_shardings=(state_shardings, replicated), donate_argnums=0,
         )  # fmt: skip
         return jitted.lower(abstract_state, *inputs)
@@ -195,7 +199,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     compiled = compilation.compile({"init": platform_choices.init_compiler_options(platform)}, default=step_options)
     lower_seconds = time.perf_counter() - start - compilation.seconds
     calls = StepCalls(
-        lower_call, step_options, {key: StepCall(compiled[call_name(*key)], *key) for key in ahead}
+        lower_call, step_options, {key: StepCall(compiled[call_name(*key)], *key) for key in ahead}, carry
     )  # fmt: skip
 
     def model_variables(state: TrainState) -> ModelVariables:

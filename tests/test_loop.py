@@ -147,24 +147,33 @@ def test_a_non_finite_loss_is_caught_within_a_call_and_nothing_after_it_is_saved
     assert Checkpointer(tmp_path / "ck", every=1).steps() == []  # the first call's state followed the nan
 
 
-@pytest.mark.parametrize("per_call", [1, 4])
-def test_a_non_finite_loss_stops_the_run_within_its_documented_bound(per_call):
+@pytest.mark.parametrize(
+    ("per_call", "batch", "polled"), [(1, 16, True), (4, 16, True), (4, 64, False)],
+    ids=["1-a-call", "4-a-call", "epochs-shorter-than-a-fetch-never-ready"],
+)  # fmt: skip
+def test_a_non_finite_loss_stops_the_run_within_its_documented_bound(per_call, batch, polled, monkeypatch):
     """The loop never waits for metrics while the devices keep up, yet a NaN (from step 2,
     at a learning rate of 1e30) stops the run having dispatched at most
-    2 x NONFINITE_CHECK_STEPS steps plus four calls past it -- what the docs promise."""
+    2 x NONFINITE_CHECK_STEPS steps plus four calls past it -- what the docs promise. Also
+    where no fetch is ever seen ready before it must be read (as with several processes,
+    or devices far behind) and every epoch (22 steps) ends before a fetch's worth of
+    steps: each epoch's end starts a fetch of its own, which must still be read in time."""
     import re
 
+    import jaxcnn.fit
     from jaxcnn.config import OptimConfig
     from jaxcnn.fit import NONFINITE_CHECK_STEPS, NonFiniteLoss
     from jaxcnn.program import StepCall
 
+    if not polled:
+        monkeypatch.setattr(jaxcnn.fit._Fetch, "ready", lambda self: False)
     data, layout, mesh = bundled_digits(), layout_named("single"), build_mesh({"data": 1})
     on, _ = choose("on", data, layout, mesh, Augment(), 0)
     optim = OptimConfig(name="sgd", learning_rate=1e30, schedule="constant", warmup_steps=0, momentum=0)
-    program = build_program(TINY_PLAIN, optim, layout, mesh, data.image_shape, 16, 400, with_eval=False,
+    program = build_program(TINY_PLAIN, optim, layout, mesh, data.image_shape, batch, 400, with_eval=False,
                             on_device=on, steps_per_call=per_call)  # fmt: skip
     dispatched = []
-    for steps in {per_call, (len(data) // 16) % per_call or per_call}:  # (an epoch's last call)
+    for steps in {per_call, (len(data) // batch) % per_call or per_call}:  # (an epoch's last call)
         call = program.calls.get(steps, True)
 
         def counted(*args, call=call):
@@ -172,7 +181,7 @@ def test_a_non_finite_loss_stops_the_run_within_its_documented_bound(per_call):
             return call.run(*args)
 
         program.calls._calls[(steps, True)] = StepCall(counted, steps, True, call.stacked)
-    config = TrainConfig(batch_size=16, epochs=4, steps_per_call=per_call)
+    config = TrainConfig(batch_size=batch, epochs=400 * batch // len(data), steps_per_call=per_call)
     with pytest.raises(NonFiniteLoss) as stopped:
         fit(program, program.init(), Loader(data), None, config, progress=False,
             device_data=placed(data, on, layout, mesh))  # fmt: skip

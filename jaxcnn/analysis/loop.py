@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcnn.build import build_program
 from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig
 from jaxcnn.data import Augment, Dataset, Loader
-from jaxcnn.data.on_device import choose, epoch_rows, placed
+from jaxcnn.data.on_device import carry_at, choose, epoch_rows, placed
 from jaxcnn.fit import fit
 from jaxcnn.sharding import build_mesh, get_layout
 from jaxcnn.sharding.placement import StackedPlacement
@@ -67,21 +67,20 @@ def _bare_ms(case: LoopCase, program, device_data, steps: int, per_call: int) ->
     """A Python loop calling the same compiled call on inputs placed once: ms per step."""
     batch = case.batch_size
     if device_data is not None:
-        # epoch 0's rows as fit places them, and a cursor placed for each of its full calls:
+        # epoch 0's rows as fit places them, and a carry placed for each of its full calls:
         # the calls walk the epoch's examples as fit's do, nothing placed per call
-        replicated = NamedSharding(program.mesh, P())
         epoch = len(case.data) // batch
         rows = epoch_rows(len(case.data), program.train_input, 0, 0, epoch)
-        cursors = [jax.device_put(np.int32(k * per_call), replicated) for k in range(epoch // per_call)]
-        placed_rows = jax.device_put(rows, replicated)
+        carries = [carry_at(program.calls.carry, k * per_call) for k in range(epoch // per_call)]
+        placed_rows = jax.device_put(rows, NamedSharding(program.mesh, P()))
         run = program.calls.get(per_call, True).run
         state = program.init()
-        state, _ = run(state, *device_data, placed_rows, cursors[0])  # compiled already; the first call warms up
+        state, _ = run(state, *device_data, placed_rows, carries[0])  # compiled already; the first call warms up
         jax.block_until_ready(state)
         calls = max(1, steps // per_call)
         start = time.perf_counter()
         for k in range(calls):
-            state, metrics = run(state, *device_data, placed_rows, cursors[k % len(cursors)])
+            state, metrics = run(state, *device_data, placed_rows, carries[k % len(carries)])
         jax.block_until_ready((state, metrics))
         return 1e3 * (time.perf_counter() - start) / (calls * per_call)
     if per_call == 1:

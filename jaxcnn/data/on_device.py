@@ -4,7 +4,8 @@ indices -- the same examples, in the same order, as the host loader reads -- whi
 compiled step gathers (jaxcnn.steps.device_batch).
 
     on_device = choose(config.data.data_on_device, train_set, layout, mesh, augment, seed)  # or None
-    feed = DeviceFeed(placed(train_set, on_device, layout, mesh), epoch_steps, placements, seed, position)
+    feed = DeviceFeed(placed(train_set, on_device, layout, mesh), len(train_set), epoch_steps, placements,
+                      carries, seed, first_step)
 
 The pixels travel as uint8 where that is exact: a file of 8-bit pixels scaled to [0, 1]
 (Fashion-MNIST's x / 255, the digits' x / 16) is stored as its bytes and scaled back in the
@@ -150,28 +151,38 @@ def epoch_rows(size: int, placement: BatchPlacement, epoch: int, seed: int, step
     return rows
 
 
+def carry_at(carry, row: int) -> dict:
+    """A call's carry (jaxcnn.steps.calls.epoch_carry; `carry` abstract) at epoch row `row`,
+    its log zeros (rows before `row`, not written here, are never read)."""
+    return jax.tree.map(lambda a: put_whole(np.zeros(a.shape, a.dtype), a.sharding), carry) | {
+        "row": put_whole(np.int32(row), carry["row"].sharding)
+    }
+
+
 class DeviceFeed:
     """The run's steps as calls on data held on the devices. Once an epoch, its rows
-    [steps, B + 2] -- each step's examples' indices (in the order the epoch's program takes
-    its batch), its epoch and its batch index -- go to every device with a cursor; each call
-    takes its rows from there and hands back the next cursor
-    (jaxcnn.steps.calls.steps_on_device_data), so a call costs the host its dispatch and
-    nothing else. `steps_per_call` may change between calls (the loop's automatic choice); a
-    call never crosses an epoch: the epoch's last may run fewer steps than it holds. Nothing
-    waits on the host: no input stall to clock."""
+    [steps, B + 3] -- each step's examples' indices (in the order the epoch's program takes
+    its batch), its epoch, its batch index and the epoch's steps -- go to every device; each
+    call takes its rows from there and hands back its carry -- the next row, and its epoch's
+    metrics so far -- which the next call takes (jaxcnn.steps.calls.steps_on_device_data), so
+    a call costs the host its dispatch and nothing else. `steps_per_call` may change between
+    calls (the loop's automatic choice); a call never crosses an epoch: the epoch's last may
+    run fewer steps than it holds. Nothing waits on the host: no input stall to clock."""
 
     def __init__(
         self, data: tuple[jax.Array, jax.Array], size: int, epoch_steps: Sequence[int],
-        placements: Sequence[BatchPlacement], seed: int, first_step: int = 0, steps_per_call: int = 1,
+        placements: Sequence[BatchPlacement], carries: Sequence[dict], seed: int, first_step: int = 0,
+        steps_per_call: int = 1,
     ):  # fmt: skip
         self.data, self.size, self.seed = data, size, seed
-        self._steps, self._placements = Schedule(epoch_steps), placements
+        self._steps, self._placements, self._carries = Schedule(epoch_steps), placements, carries
         self._next_step = first_step
         self.steps_per_call = steps_per_call
         self._epoch: tuple[int, jax.Array] | None = None  # (epoch, its rows on the devices)
         self._epoch_end = 0  # the run's step after the epoch's last
-        self._ahead: tuple[int, jax.Array, jax.Array] | None = None  # the next epoch's (epoch, rows, cursor 0)
-        self._cursor = None  # the next row of the epoch's, on the devices (the last call's "next_row")
+        self._ahead: tuple[int, jax.Array] | None = None  # the next epoch's (epoch, rows)
+        self._carry = None  # the next call's: the last call's
+        self._first_carries: dict[int, dict] = {}  # id(abstract carry) -> at row 0 (never changed: reused)
         self._replicated = NamedSharding(placements[0].images.sharding.mesh, P())
         self.startup_seconds = 0.0
         self.wait_seconds = 0.0
@@ -179,35 +190,41 @@ class DeviceFeed:
     def _epoch_rows(self, epoch: int) -> jax.Array:
         """Epoch `epoch`'s rows, placed."""
         steps = int(self._steps.starts[epoch + 1] - self._steps.starts[epoch])
-        return to_global(epoch_rows(self.size, self._placements[epoch], epoch, self.seed, steps), self._replicated)
+        return put_whole(epoch_rows(self.size, self._placements[epoch], epoch, self.seed, steps), self._replicated)
 
-    def _cursor_at(self, index: int) -> jax.Array:
-        return put_whole(np.int32(index), self._replicated)  # (placed while calls with collectives may run)
+    def _first_carry(self, epoch: int, row: int) -> dict:
+        carry = self._carries[epoch]
+        if row:
+            return carry_at(carry, row)
+        if id(carry) not in self._first_carries:
+            self._first_carries[id(carry)] = carry_at(carry, 0)
+        return self._first_carries[id(carry)]
 
     def next_call(self) -> tuple[int, int, tuple]:
         """(steps this call runs, the steps it holds: its program's, its inputs after the state)."""
         if self._epoch is None or self._next_step >= self._epoch_end:
             where = self._steps[self._next_step]
             if self._ahead is not None and self._ahead[0] == where.epoch and where.index == 0:
-                self._epoch, self._cursor = self._ahead[:2], self._ahead[2]
+                self._epoch = self._ahead
             else:
-                self._epoch, self._cursor = (where.epoch, self._epoch_rows(where.epoch)), self._cursor_at(where.index)
+                self._epoch = where.epoch, self._epoch_rows(where.epoch)
+            self._carry = self._first_carry(where.epoch, where.index)
             self._ahead = None
             self._epoch_end = int(self._steps.starts[where.epoch + 1])
         call = self.steps_per_call
-        if call > len(self._epoch[1]) // 2:
-            raise ValueError(f"a call of {call} steps holds more than an epoch's {len(self._epoch[1]) // 2}")
+        if call > self._epoch[1].shape[0] // 2:
+            raise ValueError(f"a call of {call} steps holds more than an epoch's {self._epoch[1].shape[0] // 2}")
         steps = min(call, self._epoch_end - self._next_step)  # an epoch's last call may run fewer steps than it holds
         self._next_step += steps
-        return steps, call, (*self.data, self._epoch[1], self._cursor)
+        return steps, call, (*self.data, self._epoch[1], self._carry)
 
-    def dispatched(self, metrics: dict) -> None:
-        """The call's outputs: its "next_row" is the next call's cursor (not a metric). After
-        an epoch's last call, the next epoch's rows are placed while the devices run it."""
-        self._cursor = metrics.pop("next_row")
+    def dispatched(self, carry: dict) -> None:
+        """The call's carry, the next call's. After an epoch's last call, the next epoch's
+        rows are placed while the devices run it."""
+        self._carry = carry
         if self._next_step == self._epoch_end < len(self._steps) and self._ahead is None:
             epoch = self._epoch[0] + 1
-            self._ahead = epoch, self._epoch_rows(epoch), self._cursor_at(0)
+            self._ahead = epoch, self._epoch_rows(epoch)
 
     def position(self) -> dict:
         return {"next_step": self._next_step}

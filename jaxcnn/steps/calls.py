@@ -1,9 +1,10 @@
 """Several optimizer steps in one compiled call (`--steps-per-call K`, Keras's
 `steps_per_execution`): the train step K times over K batches (a `lax.scan`; on a CPU
-written out K times) -- stacked [K, B, ...]
-from the host, or K index sets into the training data held on the devices -- returning the
-K steps' metrics together. The host dispatches once per K steps; each step inside is the
-single step's computation, so K calls of one step and one call of K give the same numbers.
+written out K times) -- stacked [K, B, ...] from the host, or K index sets into the
+training data held on the devices -- returning the K steps' metrics together (on the
+devices: written into the epoch's log the calls carry). The host dispatches once per K
+steps; each step inside is the single step's computation, so K calls of one step and one
+call of K give the same numbers.
 """
 
 from __future__ import annotations
@@ -41,17 +42,20 @@ def steps_on_device_data(
     train_step: Callable, steps: int, mesh: Mesh, axes: tuple[str, ...], on_device,
     image_sharding: NamedSharding, label_sharding: NamedSharding, unroll: bool = False,
 ) -> Callable:  # fmt: skip
-    """`(state, images_N, labels_N, epoch_rows, cursor) -> (state, metrics of [K])`: each step
-    gathers its batch from the training set on the devices (`on_device`: a
+    """`(state, images_N, labels_N, epoch_rows, carry) -> (state, carry)`: each step gathers
+    its batch from the training set on the devices (`on_device`: a
     jaxcnn.data.on_device.OnDevice) by its examples' indices, then shifts and flips it as
     drawn from its (epoch, batch index). Row r of `epoch_rows` [2S, B + 3] is the epoch's
     step r: its B indices, its epoch, its batch index and the epoch's step count (rows past
-    the epoch: zeros). The call takes rows `cursor` .. `cursor + K`, runs the steps among
-    them that are in the epoch (the others' results are dropped: an epoch's last call may
-    hold fewer than K) and returns the next cursor as the metric "next_row" -- so calls need
-    no transfer from the host, only the epoch's rows once."""
+    the epoch: zeros). The `carry` (epoch_carry) is where the epoch stands: "row", the next
+    row to run, and "log", each metric of the epoch's steps so far [2S]. The call runs rows
+    row .. row + K -- those among them in the epoch; the others' results are dropped (an
+    epoch's last call may hold fewer than K) -- writes their metrics into the log at their
+    rows and hands back the carry after them. So a call needs no transfer from the host
+    (the epoch's rows go once), and the host reads any number of calls' metrics from the
+    latest call's log: one array a metric."""
 
-    def call(state, images_N, labels_N, epoch_rows, cursor):
+    def call(state, images_N, labels_N, epoch_rows, carry):
         def one(st, step_row):
             idx, epoch, index = step_row[:-3], step_row[-3], step_row[-2]
             images = as_pixels(gather_rows(images_N, idx, mesh, axes), on_device.scale)
@@ -67,8 +71,18 @@ def steps_on_device_data(
             kept = jax.tree.map(lambda a, b: jnp.where(active, a, b), new, st)
             return kept, jax.tree.map(lambda m: jnp.where(active, m, jnp.zeros_like(m)), metrics)
 
+        cursor, log = carry["row"], carry["log"]
         rows = jax.lax.dynamic_slice_in_dim(epoch_rows, cursor, steps)
         state, metrics = over_steps(one if steps == 1 else maybe, state, rows, steps, unroll)
-        return state, {**metrics, "next_row": cursor + steps}
+        log = {name: jax.lax.dynamic_update_slice_in_dim(log[name], metrics[name].astype(log[name].dtype), cursor, 0)
+               for name in log}  # fmt: skip
+        return state, {"row": cursor + steps, "log": log}
 
     return call
+
+
+def epoch_carry(metrics: dict, epoch_rows: int, replicated: NamedSharding) -> dict:
+    """The abstract carry of steps_on_device_data's calls: the next row, and a log [epoch_rows]
+    of each of `metrics` (a step's metrics, abstract: the train step's eval_shape)."""
+    log = {name: jax.ShapeDtypeStruct((epoch_rows,), m.dtype, sharding=replicated) for name, m in metrics.items()}
+    return {"row": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), "log": log}
