@@ -533,7 +533,9 @@ def _joined(metrics: list[dict]) -> dict:
 class _Call(NamedTuple):
     """A call dispatched, as the training log keeps it until its metrics are fetched."""
 
-    metrics: dict  # each metric [held] when `stacked`, else a scalar; on the devices its epoch's log
+    # each metric [held] when `stacked`, else a scalar; on the devices its epoch's log (None once a
+    # newer call's holds it too)
+    metrics: dict | None
     steps: int  # the steps it ran
     stacked: bool
     row: int | None = None  # on the devices: its epoch's row it began at (its metrics' place in the log)
@@ -636,6 +638,10 @@ class _TrainingLog:
         ):
             self.record(fetching.popleft()[1].result())
         self.older += self.pending[-1].steps if self.pending else 0
+        if call.row is not None and len(self.pending) > 1:
+            # a fetch reads its last call's log alone: the older calls' logs (each the epoch's
+            # length, on every device) are let go
+            self.pending[-2] = self.pending[-2]._replace(metrics=None)
         self.pending.append(call)
         if self.older >= NONFINITE_CHECK_STEPS:
             fetching.append((self.step, _Fetch(self.pending[:-1])))
