@@ -154,9 +154,8 @@ def epoch_rows(size: int, placement: BatchPlacement, epoch: int, seed: int, step
 def carry_at(carry, row: int) -> dict:
     """A call's carry (jaxcnn.steps.calls.epoch_carry; `carry` abstract) at epoch row `row`,
     its log zeros (rows before `row`, not written here, are never read)."""
-    return jax.tree.map(lambda a: put_whole(np.zeros(a.shape, a.dtype), a.sharding), carry) | {
-        "row": put_whole(np.int32(row), carry["row"].sharding)
-    }
+    log = {name: put_whole(np.zeros(a.shape, a.dtype), a.sharding) for name, a in carry["log"].items()}
+    return {"row": put_whole(np.int32(row), carry["row"].sharding), "log": log}
 
 
 class DeviceFeed:
