@@ -118,7 +118,8 @@ def kernel_record(model_config, step_options: dict | None) -> dict:
     """What a build chose for its platform (jaxcnn.platform_choices), for the run record."""
     if not hasattr(model_config, "conv1x1"):  # a model of your own (jaxcnn.models.CustomModel)
         return {"step_compiler_options": step_options or {}}
-    own = {"conv1x1": model_config.conv1x1} if model_config.is_resnet else {"max_pool": model_config.max_pool}
+    choice = model_config.kernel_choice  # None: the family has no platform-dependent kernel (ConvNeXt)
+    own = {choice: getattr(model_config, choice)} if choice else {}
     return {**own, "step_compiler_options": step_options or {}}
 
 

@@ -186,7 +186,8 @@ def _timed(setup: Setup, device, cold: dict, steps: int, rounds: int) -> dict:
 
 
 def _describe(build: Build) -> str:
-    kernel = f"conv1x1={build.model.conv1x1}" if build.model.is_resnet else f"max_pool={build.model.max_pool}"
+    choice = build.model.kernel_choice
+    kernel = f"{choice}={getattr(build.model, choice)}" if choice else "no kernel choice"
     shown = "the platform's" if build.options is None else build.compiler_options or "XLA's defaults"
     return f"{kernel}, compiler options {shown}"
 

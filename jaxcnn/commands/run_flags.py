@@ -13,11 +13,13 @@ import argparse
 from jaxcnn.commands.cli import batch_schedule, int_list, name_list, positive_int_or
 from jaxcnn.config import (
     CONV1X1_KERNELS,
+    CONVNEXTS,
     DEFAULT_MODEL,
     DTYPES,
     IMAGENET_STEM_FROM,
     LR_SCALINGS,
     MAX_POOL_KERNELS,
+    MOBILENETS,
     NORM_STATISTICS,
     NORMS,
     OPTIMIZERS,
@@ -55,26 +57,41 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument(
         "--model", default=DEFAULT_MODEL,
-        help=f"cnn2d_<N>layer_fullconnected_<M>layer or one of {', '.join(RESNETS)} (default %(default)s)",
+        help=f"cnn2d_<N>layer_fullconnected_<M>layer or one of {', '.join((*RESNETS, *CONVNEXTS, *MOBILENETS))} "
+        "(default %(default)s)",
     )  # fmt: skip
     g.add_argument(
         "--conv-features", type=int_list, default=(), help="conv widths (a ResNet's: per stage), e.g. 32,64,128"
     )
     g.add_argument(
         "--stem", choices=STEMS, default="auto",
-        help="ResNets: small (3x3 conv) or imagenet (7x7 stride-2 conv + max-pool); auto: imagenet from "
-        f"{IMAGENET_STEM_FROM} pixels a side (default %(default)s)",
+        help="ResNets: small (3x3 conv) or imagenet (7x7 stride-2 conv + max-pool); ConvNeXt: small (2x2 stride-2 "
+        "patchify) or imagenet (4x4 stride 4); MobileNetV2: small (stride-1 stem) or imagenet (stride 2); auto: "
+        f"imagenet from {IMAGENET_STEM_FROM} pixels a side (default %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--stochastic-depth", type=float, default=0.0,
+        help="ConvNeXt: the last residual block's drop rate, linear from 0 at the first (torchvision's "
+        "convnext_tiny: 0.1) (default %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--width-multiplier", type=float, default=1.0,
+        help="MobileNetV2: every width times this, rounded to multiples of 8 (default %(default)s)",
     )  # fmt: skip
     g.add_argument("--dense-features", type=int_list, default=(), help="hidden dense widths, e.g. 256,128")
     g.add_argument(
-        "--norm", choices=NORMS, default=ModelConfig().norm, help="normalisation after each conv (default %(default)s)"
-    )
+        "--norm", choices=NORMS, default=ModelConfig().norm,
+        help="normalisation after each conv; ConvNeXt's is always LayerNorm (default %(default)s)",
+    )  # fmt: skip
     g.add_argument(
         "--norm-statistics", choices=NORM_STATISTICS, default=ModelConfig().norm_statistics,
         help="batch norm in training: the global batch's statistics, or each device's own (no collective; "
         "noisier on small per-device batches) (default %(default)s)",
     )  # fmt: skip
-    g.add_argument("--dropout", type=float, default=0.0, help="dropout rate between dense layers")
+    g.add_argument(
+        "--dropout", type=float, default=0.0,
+        help="dropout rate between dense layers (MobileNetV2: before its classifier; torchvision's 0.2)",
+    )  # fmt: skip
     g.add_argument("--num-classes", type=int, default=10)
     g.add_argument(
         "--remat",

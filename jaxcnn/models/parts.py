@@ -74,21 +74,34 @@ class LayerShape:
     space_out: str
     height: int = 1  # conv: input height and width
     width: int = 1
-    kernel: int = 3  # conv: kernel x kernel, padded by kernel // 2 each side
+    kernel: int = 3  # conv: kernel x kernel, padded by `padding` (default kernel // 2) each side
     stride: int = 1
+    groups: int = 1  # conv: feature groups; groups == in_features == features is a depthwise conv
+    padding: int | None = None  # None: kernel // 2 (ConvNeXt's patchify convs: 0)
     pool: int = 0  # conv: followed by 2 (the CNN's 2x2 pool), 3 (a ResNet stem's 3x3/2 pool) or 0
     path: str = ""  # the layer's module in the model's state, e.g. "blocks/1/conv"
     norm_path: str = ""  # its norm's, if any
     unit: int = 0  # the pipeline unit (a CNN layer, a ResNet stem / block / head) it belongs to
     shortcut: bool = False  # a ResNet block's projection: listed after the block's convs, with their output shape
+    # modules holding parameters that act on this layer's output, beside its norm (ConvNeXt's
+    # layer scale sits on its block): where the comm model looks up how their gradients reduce
+    other_paths: tuple[str, ...] = ()
+
+    @property
+    def pad(self) -> int:
+        return self.kernel // 2 if self.padding is None else self.padding
+
+    @property
+    def depthwise(self) -> bool:
+        return self.groups > 1 and self.groups == self.in_features == self.features
 
     @property
     def out_height(self) -> int:
-        return (self.height + 2 * (self.kernel // 2) - self.kernel) // self.stride + 1
+        return (self.height + 2 * self.pad - self.kernel) // self.stride + 1
 
     @property
     def out_width(self) -> int:
-        return (self.width + 2 * (self.kernel // 2) - self.kernel) // self.stride + 1
+        return (self.width + 2 * self.pad - self.kernel) // self.stride + 1
 
     @property
     def next_size(self) -> tuple[int, int]:
@@ -104,5 +117,6 @@ class LayerShape:
     def flops(self) -> float:
         """Forward FLOPs per image (x3 with the backward pass, alike for every layer)."""
         if self.kind == "conv":
-            return 2.0 * self.out_height * self.out_width * self.kernel**2 * self.in_features * self.features
+            per_group = self.in_features // self.groups  # each output channel sees its group's inputs only
+            return 2.0 * self.out_height * self.out_width * self.kernel**2 * per_group * self.features
         return 2.0 * self.in_features * self.features

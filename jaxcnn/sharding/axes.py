@@ -14,8 +14,13 @@ EMBED = "embed"  # dense kernel input dim
 MLP = "mlp"  # dense kernel output dim (hidden layers)
 CLASSES = "classes"  # output layer's output dim
 NORM = "norm"  # normalisation scale / bias / running statistics
+# A depthwise conv's kernel is (kh, kw, group_in, C): group_in is its input channels per
+# group (1), never split; C is named by the channel space the conv acts on (conv_in on a
+# residual stream, conv_out inside an inverted bottleneck), so that tp splits a depthwise
+# conv's channels exactly where it splits its input's -- and then it moves nothing.
+GROUP_IN = "group_in"
 
-PARAM_AXES = (KH, KW, CONV_IN, CONV_OUT, EMBED, MLP, CLASSES, NORM)
+PARAM_AXES = (KH, KW, CONV_IN, CONV_OUT, EMBED, MLP, CLASSES, NORM, GROUP_IN)
 
 # Activations.
 BATCH = "batch"
@@ -43,5 +48,12 @@ MESH_AXES = (DATA, FSDP, MODEL, SPATIAL, STAGE)
 
 # Shorthands for the annotations the model attaches.
 CONV_KERNEL = (KH, KW, CONV_IN, CONV_OUT)
+
+
+def depthwise_kernel(space: str) -> tuple[str, str, str, str]:
+    """The names of a depthwise conv's kernel acting on channel space `space`."""
+    return (KH, KW, GROUP_IN, space)
+
+
 IMAGE_BHWC = (BATCH, HEIGHT, WIDTH, CHANNELS)
 FEATURES_BF = (BATCH, FEATURES)

@@ -1,0 +1,136 @@
+"""torchvision's state_dict keys for ConvNeXt and MobileNetV2, mapped onto jaxcnn's modules,
+so that torchvision's weights load as they are:
+
+    state = {k: v.numpy() for k, v in torchvision.models.convnext_tiny(weights=...).state_dict().items()}
+    load_torchvision(model, ModelConfig(name="convnext_tiny", num_classes=1000), (224, 224, 3), state)
+
+Each key maps to a parameter's path in the NNX state and how its array turns around:
+torch's conv weight is (O, I/groups, kh, kw), Flax's kernel (kh, kw, I/groups, O); a Linear's
+weight is (O, I), Flax's (I, O); ConvNeXt's layer scale is (C, 1, 1), here (C,). Batch norm's
+`num_batches_tracked` has no counterpart (its momentum is fixed) and is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+from flax import nnx
+
+from jaxcnn.config import CONVNEXTS, ModelConfig
+from jaxcnn.errors import UserError
+from jaxcnn.models.mobilenet import mobilenet_widths
+
+TRANSFORMS = {
+    "conv": lambda w: np.transpose(w, (2, 3, 1, 0)),
+    "linear": lambda w: np.transpose(w),
+    "vector": lambda w: w,
+    "layer_scale": lambda w: w.reshape(w.shape[0]),
+}
+SKIPPED = ("num_batches_tracked",)
+
+
+def _conv(torch_prefix: str, path: str, bias: bool) -> Iterator[tuple[str, str, str]]:
+    yield f"{torch_prefix}.weight", f"{path}/kernel", "conv"
+    if bias:
+        yield f"{torch_prefix}.bias", f"{path}/bias", "vector"
+
+
+def _linear(torch_prefix: str, path: str) -> Iterator[tuple[str, str, str]]:
+    yield f"{torch_prefix}.weight", f"{path}/kernel", "linear"
+    yield f"{torch_prefix}.bias", f"{path}/bias", "vector"
+
+
+def _layer_norm(torch_prefix: str, path: str) -> Iterator[tuple[str, str, str]]:
+    yield f"{torch_prefix}.weight", f"{path}/scale", "vector"
+    yield f"{torch_prefix}.bias", f"{path}/bias", "vector"
+
+
+def _batch_norm(torch_prefix: str, path: str) -> Iterator[tuple[str, str, str]]:
+    yield from _layer_norm(torch_prefix, path)
+    yield f"{torch_prefix}.running_mean", f"{path}/mean", "vector"
+    yield f"{torch_prefix}.running_var", f"{path}/var", "vector"
+
+
+def _convnext_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
+    yield from _conv("features.0.0", "stem/conv", bias=True)
+    yield from _layer_norm("features.0.1", "stem/norm")
+    unit = 0  # index into the model's blocks: downsamples and blocks in order
+    for stage, depth in enumerate(CONVNEXTS[config.name][0]):
+        if stage > 0:
+            yield from _layer_norm(f"features.{2 * stage}.0", f"blocks/{unit}/norm")
+            yield from _conv(f"features.{2 * stage}.1", f"blocks/{unit}/conv", bias=True)
+            unit += 1
+        for i in range(depth):
+            torch_block, at = f"features.{2 * stage + 1}.{i}", f"blocks/{unit}"
+            yield from _conv(f"{torch_block}.block.0", f"{at}/dwconv", bias=True)
+            yield from _layer_norm(f"{torch_block}.block.2", f"{at}/norm")
+            yield from _linear(f"{torch_block}.block.3", f"{at}/pwconv1")
+            yield from _linear(f"{torch_block}.block.5", f"{at}/pwconv2")
+            yield f"{torch_block}.layer_scale", f"{at}/layer_scale", "layer_scale"
+            unit += 1
+    yield from _layer_norm("classifier.0", "head/norm")
+    yield from _linear("classifier.2", "head/fc")
+
+
+def _mobilenet_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
+    if config.norm != "batch":
+        raise UserError(f"torchvision's {config.name} uses batch norm; its weights need --norm batch")
+    yield from _conv("features.0.0", "stem/conv", bias=False)
+    yield from _batch_norm("features.0.1", "stem/norm")
+    _, blocks, _ = mobilenet_widths(config)
+    for j, (t, _, _) in enumerate(blocks):
+        torch_block, at = f"features.{j + 1}.conv", f"blocks/{j}"
+        parts = [("expand", True)] * (t != 1) + [("depthwise", True), ("project", False)]
+        index = 0
+        for name, sequential in parts:  # Conv2dNormActivation is conv.i.{0,1}; the project conv and BN are flat
+            if sequential:
+                yield from _conv(f"{torch_block}.{index}.0", f"{at}/{name}/conv", bias=False)
+                yield from _batch_norm(f"{torch_block}.{index}.1", f"{at}/{name}/norm")
+                index += 1
+            else:
+                yield from _conv(f"{torch_block}.{index}", f"{at}/{name}/conv", bias=False)
+                yield from _batch_norm(f"{torch_block}.{index + 1}", f"{at}/{name}/norm")
+    yield from _conv(f"features.{len(blocks) + 1}.0", "last/conv", bias=False)
+    yield from _batch_norm(f"features.{len(blocks) + 1}.1", "last/norm")
+    yield from _linear("classifier.1", "head/fc")
+
+
+def torchvision_keys(config: ModelConfig) -> dict[str, tuple[str, str]]:
+    """torchvision key -> (the parameter's path in the NNX state, its TRANSFORMS entry)."""
+    families = {"convnext": _convnext_keys, "mobilenet": _mobilenet_keys}
+    if config.family not in families:
+        raise UserError(f"torchvision names are mapped for ConvNeXt and MobileNetV2, not {config.name}")
+    return {key: (path, how) for key, path, how in families[config.family](config)}
+
+
+def torch_shape(how: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape torchvision gives a parameter of Flax shape `shape` (the TRANSFORMS' inverse)."""
+    if how == "conv":
+        kh, kw, cin, cout = shape
+        return cout, cin, kh, kw
+    if how == "linear":
+        return shape[::-1]
+    return (shape[0], 1, 1) if how == "layer_scale" else shape
+
+
+def load_torchvision(model: nnx.Module, config: ModelConfig, state_dict: Mapping[str, np.ndarray]) -> None:
+    """Set `model`'s parameters and batch statistics from torchvision's `state_dict`
+    (arrays, e.g. `{k: v.numpy()}`), checking every key and shape."""
+    keys = torchvision_keys(config)
+    unknown = sorted(k for k in state_dict if k not in keys and not k.endswith(SKIPPED))
+    missing = sorted(k for k in keys if k not in state_dict)
+    if unknown or missing:
+        raise UserError(
+            f"torchvision state_dict does not fit {config.name}: unknown {unknown[:3]}, missing {missing[:3]}"
+        )
+    flat = list(nnx.to_flat_state(nnx.state(model)))
+    where = {"/".join(map(str, path)): path for path, _ in flat}
+    values = dict(flat)
+    for key, (path, how) in keys.items():
+        value = TRANSFORMS[how](np.asarray(state_dict[key], np.float32))
+        old = values[where[path]]
+        if value.shape != old.shape:
+            raise UserError(f"{key}: torchvision's {value.shape} against {path}'s {old.shape}")
+        values[where[path]] = old.replace(value) if isinstance(old, nnx.Variable) else value
+    nnx.update(model, nnx.from_flat_state(list(values.items())))
