@@ -139,6 +139,24 @@ def test_slurm_scripts_give_each_task_its_devices(launcher_env, monkeypatch, scr
     assert (call["num_processes"], call["process_id"]) == (launch.num_processes, launch.process_id)
 
 
+@pytest.mark.parametrize(("node", "tasks"), [(0, 8), (1, 8), (2, 4)])
+def test_an_uneven_slurm_task_list_gives_each_node_its_own_count(launcher_env, node, tasks):
+    """SLURM writes 20 tasks on 3 nodes as "8(x2),4": 8 on each of the first two, 4 on the
+    last. One task per GPU share of a node's 8 GPUs: a task of the last node takes 2 of them
+    (its local rank's pair), one of the others 1."""
+    assert distributed.slurm_tasks_on_node({"SLURM_STEP_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": str(node)}) == tasks
+    local = 1
+    launcher_env({
+        "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[001-003]", "SLURM_NTASKS": "20",
+        "SLURM_PROCID": str(8 * node + local), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node),
+        "SLURM_STEP_TASKS_PER_NODE": "8(x2),4", "SLURM_STEP_NUM_NODES": "3", "SLURM_GPUS_ON_NODE": "8",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+    })  # fmt: skip
+    launch = launch_from(ClusterConfig())
+    assert (launch.launcher, launch.num_processes, launch.process_id) == ("slurm", 20, 8 * node + local)
+    assert launch.local_devices == ((2, 3) if tasks == 4 else (1,)), launch.devices_reason
+
+
 @pytest.mark.parametrize(
     ("env", "launcher", "coordinator", "devices", "jaxs"),
     [
