@@ -96,10 +96,12 @@ def test_pipeline_candidates_are_compiled_and_ranked():
     (refused,) = [c for c in every if c.error is not None]
     assert (refused.name, refused.mesh) == ("pipeline/1f1b x2", "data=1,stage=4") and "multiple of 4" in refused.error
     named = {(c.name, c.mesh): c for c in every if c.error is None}
-    for mesh in ("data=2,stage=2", "data=1,stage=4"):  # the same programs, the same bubble: 1F1B holds fewer
+    for mesh in ("data=2,stage=2", "data=1,stage=4"):  # the same programs, the same bubble
         gpipe, one_f_one_b = named[("pipeline/gpipe", mesh)], named[("pipeline/1f1b", mesh)]
         assert (gpipe.flops, gpipe.bubble_fraction) == (one_f_one_b.flops, one_f_one_b.bubble_fraction)
-        assert one_f_one_b.peak_bytes <= gpipe.peak_bytes
+        # M = 2 <= S: 1F1B's warm-up forwards are all of them, as GPipe's; what it holds fewer of
+        # at M > S: test_the_planners_1f1b_candidate_holds_what_a_1f1b_program_holds
+        assert one_f_one_b.peak_bytes == gpipe.peak_bytes
     interleaved, gpipe = named[("pipeline/1f1b x2", "data=2,stage=2")], named[("pipeline/gpipe", "data=2,stage=2")]
     assert (interleaved.bubble_fraction, gpipe.bubble_fraction) == pytest.approx((1 / (2 * 2 + 1), 1 / 3))
     found = [c for c in every if c.schedule == ("gpipe", 1)]
@@ -233,6 +235,25 @@ def test_kernel_count_reads_the_entry_and_loop_bodies_not_fused_computations():
     assert kernel_count(KERNELS_HLO) == 3
 
 
+def test_the_planners_1f1b_candidate_holds_what_a_1f1b_program_holds():
+    """The planner reorders the GPipe programs it compiled into 1F1B's timeline instead of
+    compiling them again: at M = 4 > S = 2 (batch 64, micro-batches of 16) its 1F1B candidate
+    has the peak of a pipeline built for 1F1B (its programs plus what its own timeline holds
+    in flight), below GPipe's, at the same bubble."""
+    from jaxcnn.analysis.planner import compile_candidate, compile_candidates
+    from jaxcnn.sharding import get_layout
+
+    found = compile_candidates(TINY_PLAIN, (8, 8, 1), 64, 2, layouts=["pipeline"])
+    named = {c.name: c for c in found if c.mesh == "data=1,stage=2" and c.error is None}
+    gpipe, planned = named["pipeline/gpipe"], named["pipeline/1f1b"]
+    built, program = compile_candidate(
+        TINY_PLAIN, (8, 8, 1), 64, get_layout("pipeline"), {"data": 1, "stage": 2}, ("1f1b", 1)
+    )
+    assert program.pipeline.microbatches == 4
+    assert planned.peak_bytes == built.peak_bytes < gpipe.peak_bytes
+    assert planned.bubble_fraction == built.bubble_fraction == gpipe.bubble_fraction
+
+
 # --- the cluster clock (jaxcnn.analysis.cluster_clock) ------------------------------------------
 
 
@@ -276,3 +297,18 @@ def test_parameter_collectives_combine_and_hide_behind_compute_statistics_stay_e
     assert busy.exposed_seconds + busy.hidden_seconds == pytest.approx(idle.exposed_seconds)
     as_compiled = step_comm(found, roles, AS_COMPILED, {"data": 8}, None, compute_seconds=1.0)
     assert as_compiled.collectives == 30 and as_compiled.hidden_seconds == 0
+
+
+def test_batch_norms_backward_sums_hide_behind_half_the_backward_pass_at_most():
+    """With too little compute to hide them all, batch norm's backward sums each hide behind
+    an equal share of half the backward pass (the weight gradients', computed while they
+    travel): together overlap_fraction x compute / 2, the rest of them exposed."""
+    h100 = get_profile("h100")
+    backward = [_found("all-reduce", "statistics", 64, "transpose(jvp(batch_norm_statistics))") for _ in range(5)]
+    found, roles = map(list, zip(*backward, strict=True))
+    one = collective_seconds("all-reduce", 8, 64, 1, h100)
+    compute = 2 * one  # the sums take 5x that: most stay exposed
+    clock = step_comm(found, roles, h100, {"data": 8}, None, compute_seconds=compute)
+    assert h100.overlap_fraction > 0
+    assert clock.hidden_seconds == pytest.approx(h100.overlap_fraction * compute / 2)
+    assert clock.exposed_seconds == pytest.approx(5 * one - h100.overlap_fraction * compute / 2)

@@ -108,6 +108,28 @@ def test_simulate_compiles_for_more_devices_than_the_process_has_and_reads_each_
     assert "nothing ran" in done.stdout
 
 
+def test_simulate_prices_each_count_on_its_own_hosts():
+    """Hosts of 4 devices: 4 devices are one host, 8 are two, and the 8-device step's
+    collectives are priced across the network between them -- dearer than the same 8
+    devices inside one host of 8 (hosts of 8: one host for both counts)."""
+    from conftest import TINY_PLAIN
+
+    from jaxcnn.analysis.hardware import get_profile
+    from jaxcnn.analysis.simulate import simulate
+    from jaxcnn.sharding import get_layout
+
+    def rows(devices_per_host):
+        found, _ = simulate(
+            TINY_PLAIN, (8, 8, 1), [get_layout("dp")], [4, 8], lambda n: 4 * n, get_profile("h100"), devices_per_host
+        )
+        return found
+
+    split, whole = rows(4), rows(8)
+    assert [r["hosts"] for r in split] == [1, 2] and [r["hosts"] for r in whole] == [1, 1]
+    assert split[0]["comm_seconds"] == whole[0]["comm_seconds"]
+    assert split[1]["comm_seconds"] > whole[1]["comm_seconds"]
+
+
 def test_plan_prints_ranked_choices_and_writes_every_candidate(tmp_path, capsys):
     out = tmp_path / "plan.csv"
     load_script("plan").main(
