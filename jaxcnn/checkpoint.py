@@ -75,6 +75,20 @@ def check_checkpoint_flags(directory: str | Path, every: int, keep: int) -> None
         raise UserError(f"--checkpoint-dir {directory} is a file; give a directory")
 
 
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager with its own preemption check turned off. Orbax asks JAX's preemption
+    sync point with the training step at every save, in the caller's thread and again in the
+    thread that finalizes an asynchronous save; jaxcnn.stopping asks it with its own count of
+    step boundaries. JAX's sync service keeps whichever number came last and fires only when
+    a later call passes exactly the agreed max + 1, so two counters can agree on a point that
+    neither reaches: one process stops while the other runs on into a collective and both
+    hang. One owner of the sync point: the stop (jaxcnn.stopping), which also decides when
+    to save for it."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class Checkpointer:
     """`every` N steps and at the run's end; `every` None: only when asked (a Ctrl-C save)."""
 
@@ -86,7 +100,7 @@ class Checkpointer:
             max_to_keep=keep, enable_async_checkpointing=asynchronous, create=True, cleanup_tmp_directories=True
         )
         try:
-            self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "record"), options=options)
+            self.manager = _Manager(self.directory, item_names=("state", "record"), options=options)
         except OSError as err:
             raise UserError(f"cannot use --checkpoint-dir {directory}: {err.strerror or err}") from None
 

@@ -74,6 +74,8 @@ class Launch:
             "launcher": self.launcher, "coordinator": self.coordinator, "num_processes": self.num_processes,
             "process_id": self.process_id, "local_devices": list(self.local_devices) if self.local_devices else None,
             "devices_reason": self.devices_reason,
+            # the CPUs this process may run on, and what SLURM gave the task (srun must be told on 22.05-23.02)
+            "cpus": len(os.sched_getaffinity(0)), "slurm_cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK"),
         }  # fmt: skip
 
 

@@ -153,8 +153,8 @@ def fit(
     where the compiled step has already skipped it. `on_epoch(row, losses)` is called after
     each epoch's evaluation with its row and its steps' losses. Once `stop.check()` agrees
     (jaxcnn.stopping: a Ctrl-C or SIGTERM, in any process), the loop stops at that step
-    boundary, saves the state in `checkpointer` and `interrupt_saves`, and raises
-    `Interrupted`. `stop.check()` is asked once per call: after each but an epoch's last,
+    boundary, saves the state once, in `checkpointer` or else the first of `interrupt_saves`,
+    and raises `Interrupted`. `stop.check()` is asked once per call: after each but an epoch's last,
     and after the epoch's evaluation.
 
     `device_data` is the training set placed on the devices (jaxcnn.data.on_device; the
@@ -239,14 +239,15 @@ def fit(
             elif row is not None:
                 training_log.unfinished.append(row)  # filled in once its metrics arrive
             if row is None or (stop.check() and training_log.step < total):  # asked to stop, in training or eval
-                saved = [c for c in (checkpointer, *interrupt_saves) if c is not None]
-                for target in saved:
-                    if training_log.step not in target.steps():  # else saved at this very step already
-                        training_log.save(program.saved_form(state), batches, target)
+                # saved once, in the first of them: two Orbax managers saving one step at once
+                # share that step's barrier across processes, and one process fails on it
+                target = next((c for c in (checkpointer, *interrupt_saves) if c is not None), None)
+                if target is not None and training_log.step not in target.steps():  # else saved here already
+                    training_log.save(program.saved_form(state), batches, target)
                 training_log.drain()
                 training_log.publish_finished()
                 bar.close()
-                raise Interrupted(training_log.result(state, None), [c.directory for c in saved])
+                raise Interrupted(training_log.result(state, None), [target.directory] if target else [])
     finally:
         batches.close()
     training_log.input_startup_seconds = batches.startup_seconds

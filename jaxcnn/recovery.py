@@ -117,7 +117,7 @@ def fit_in_run_dir(
     try:
         if resume_flag and (run_dir / runs.CHECKPOINTS).is_dir():  # what an earlier stop saved there
             keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
-        # resume from the newest state of the two (a Ctrl-C saves to both; a new --checkpoint-dir has none)
+        # resume from the newest state of the two (a stop saves in --checkpoint-dir when given, else in the run directory)
         sources = [c for c in (checkpointer, keep_on_interrupt) if c is not None]
         source = max(sources, key=lambda c: max(c.steps(), default=-1), default=None)
         if resume_flag and source is None:
@@ -136,7 +136,7 @@ def fit_in_run_dir(
             runs.write_config(run_dir, config)
             rates = learning_rates(config.optim, train_config, len(loader.dataset))
             tensorboard = runs.TensorBoardLog(run_dir / runs.TENSORBOARD, rates)
-        if keep_on_interrupt is None:
+        if keep_on_interrupt is None and checkpointer is None:  # a stop saves in --checkpoint-dir when given
             keep_on_interrupt = Checkpointer(run_dir / runs.CHECKPOINTS, None, keep=1)
         result = fit(
             programs, state, loader, test_set, train_config, progress=not config.output.quiet and lead,

@@ -29,11 +29,12 @@ from jaxcnn.data.crops import RandomResizedCrop
 from jaxcnn.data.on_device import choose, placed
 from jaxcnn.distributed import Launch, initialize, launch_from
 from jaxcnn.recovery import PROG, fit_in_run_dir, open_checkpoints, report_stop, resolve_resume
+from jaxcnn.requeue import requeue_slurm_job
 from jaxcnn.run_config import RESUME_AUTO, RunConfig
 from jaxcnn.run_record import run_record, write_results
 from jaxcnn.saved_model import save_model
 from jaxcnn.sharding import format_mesh, mesh_for, simulate_devices_for
-from jaxcnn.stopping import INTERRUPTED_EXIT_CODE, StopRequests, stop_requests
+from jaxcnn.stopping import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE, StopRequests, stop_requests
 
 
 def train(config: RunConfig) -> dict:
@@ -138,8 +139,20 @@ def _train(config: RunConfig, launch: Launch, stop: StopRequests, started: float
         print(f"{PROG}: process {jax.process_index()} stopped ({stop.reason}) at step {outcome.result.steps}",
               file=sys.stderr, flush=True)  # fmt: skip
     if outcome.interrupted:  # 75 tells a requeue the state is saved; with nothing saved, a plain failure
-        sys.exit(stop.exit_code if outcome.saved_to or stop.exit_code == INTERRUPTED_EXIT_CODE else 1)
+        code = stop.exit_code if outcome.saved_to or stop.exit_code == INTERRUPTED_EXIT_CODE else 1
+        if code == STOPPED_EXIT_CODE:
+            _requeue_once_saved(launch)
+        sys.exit(code)
     return record
+
+
+def _requeue_once_saved(launch: Launch) -> None:
+    """Under SLURM, process 0 requeues the job (jaxcnn.requeue) once every process has saved
+    and written: the requeue ends this instance's tasks."""
+    if launch.multi_process:
+        multihost_utils.sync_global_devices("jaxcnn: stopped and saved")
+    if jax.process_index() == 0 and (said := requeue_slurm_job()):
+        print(f"{PROG}: {said}", file=sys.stderr, flush=True)
 
 
 def _finished_under_auto(config: RunConfig, run_dir) -> bool:

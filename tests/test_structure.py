@@ -14,6 +14,7 @@ LAYERS = [
         "jaxcnn.errors",
         "jaxcnn.host_memory",
         "jaxcnn.stopping",
+        "jaxcnn.requeue",
         "jaxcnn.config",
         "jaxcnn.run_config",
         "jaxcnn.platform_choices",
