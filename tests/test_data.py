@@ -377,3 +377,30 @@ def test_processes_holding_interleaved_rows_evaluate_every_example_once_in_order
         np.testing.assert_array_equal(batch[mask == 0], 0)  # padding: zero images, masked out
     np.testing.assert_array_equal(np.concatenate(rebuilt).ravel(), np.arange(size))
     np.testing.assert_array_equal(np.concatenate(labels), dataset.labels)
+
+
+@pytest.mark.parametrize("fit", ["resize", "centre"])
+def test_each_process_decodes_only_its_own_test_images(tmp_path, monkeypatch, fit):
+    """An image folder's test set of 18 evaluated by two processes whose rows of each batch of
+    8 interleave: the files each process's share decodes (counted at the decoder, per
+    process) are exactly its own examples, each once -- 9 each, not the 18 of the whole set."""
+    from conftest import write_folder
+
+    import jaxcnn.data.folders as folders
+    from jaxcnn.data import EvalShare, load_image_folder
+
+    dataset = load_image_folder(write_folder(tmp_path / "test"), image_size=(10, 12), fit=fit)
+    assert len(dataset) == 18 and not dataset.in_memory
+    decoded = []  # the files decoded, one entry a decode
+
+    def counted(decoder):
+        return lambda path, *args, **kwargs: decoded.append(path) or decoder(path, *args, **kwargs)
+
+    for name in ("_decode", "decode_box"):
+        monkeypatch.setattr(folders, name, counted(getattr(folders, name)))
+    for rows in ([0, 2, 4, 6], [1, 3, 5, 7]):
+        decoded.clear()
+        share = EvalShare(dataset, 8, np.array(rows))
+        own = [b + r for b in range(0, 18, 8) for r in rows if b + r < 18]
+        assert sorted(decoded) == sorted(dataset.images.paths[i] for i in own) and len(own) == 9
+        assert len(share.own) == 9
