@@ -115,7 +115,8 @@ class Processes:
             time.sleep(0.2)
         for pump in self.pumps:
             pump.join(timeout=5)
-        codes = [p.returncode for p in self.procs]
+        # a process killed by signal S ends as a shell reports it, 128 + S (sys.exit(-S) would give 256 - S)
+        codes = [128 - p.returncode if p.returncode < 0 else p.returncode for p in self.procs]
         failure = next((c for c in codes if c not in (0, *STOPPED)), None)
         if failure is not None:
             return failure, True
