@@ -2,6 +2,7 @@
 and a dead peer ends the run instead of hanging (jaxcnn.distributed)."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -28,10 +29,12 @@ def run(args, timeout=300):
     return proc
 
 
+# --val-split 0.4: a test set of 48 of the 120 images, more than one process's 16 rows of a
+# batch of 32, so that reading only its rows is a share of the set (process 0: 32 of 48)
 FOLDER = ["--image-size", "12x10", "--num-classes", "3", "--augment-shift", "1", "--augment-flip", "--input-workers", "1",
-          "--epochs", "3"]  # fmt: skip
+          "--epochs", "3", "--val-split", "0.4"]  # fmt: skip
 SHARDS = ["--image-size", "12x10", "--num-classes", "3", "--augment", "imagenet", "--input-workers", "1",
-          "--epochs", "1"]  # fmt: skip
+          "--epochs", "1", "--val-split", "0.4"]  # fmt: skip
 # data across the two processes, the batch split over model first: each process holds every other block of rows
 NOT_CONTIGUOUS = ["--layout-rules", "batch=model+data", "--mesh", "data=2,model=2"]
 SLURM_SCRIPT = REPO / "docs/clusters/slurm-task-per-node.sbatch"
@@ -119,6 +122,7 @@ def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path, layout
     test_size = one["eval_examples_per_process"]  # one process reads them all
     held = [*range(8), *range(16, 24)] if layout_flags == NOT_CONTIGUOUS else range(16)
     assert two["eval_examples_per_process"] == sum(b + r < test_size for b in range(0, test_size, 32) for r in held)
+    assert two["eval_examples_per_process"] < test_size  # a share: every case's test set outgrows one process's rows
     np.testing.assert_allclose(two["test_accuracy"], one["test_accuracy"], rtol=1e-6)
     np.testing.assert_allclose(two["test_loss"], one["test_loss"], rtol=1e-5)
     assert "[p0] wrote" in out and "[p1] wrote" not in out  # only process 0 writes results
@@ -162,3 +166,61 @@ def test_a_dead_peer_ends_the_run_within_the_bound(tmp_path):
                 p.kill()
     assert procs[0].returncode != 0
     assert elapsed < DEAD_PEER_BOUND_S, f"survivor took {elapsed:.1f} s"
+
+
+# train.py in a process whose metrics fetches are, on process 0, always ready at once and, on
+# process 1, never ready before they are due (its devices far behind); it says how many steps
+# it had dispatched when a non-finite loss stopped it
+NAN_DRIVER = """
+import sys
+
+import jaxcnn.fit as fit
+from jaxcnn.commands import cli
+from jaxcnn.commands.train import PROG, main
+
+process_id = int(sys.argv[sys.argv.index("--process-id") + 1])
+fit._Fetch.ready = lambda self: process_id == 0
+record = fit._TrainingLog.record
+
+
+def recorded(self, metrics):
+    try:
+        record(self, metrics)
+    except fit.NonFiniteLoss:
+        print(f"stopped with {self.step} steps dispatched", flush=True)
+        raise
+
+
+fit._TrainingLog.record = recorded
+cli.run_main(PROG, lambda: main(sys.argv[1:]))
+"""
+
+
+def test_a_non_finite_loss_on_two_processes_stops_both_at_the_same_step(tmp_path):
+    """Two processes, a NaN from step 2 (a learning rate of 1e30): though process 0's metrics
+    arrive at once and process 1's only when due, both stop having dispatched the same steps
+    (their collectives pair up: neither is left waiting in one) and both exit 2 with the
+    same one-line error."""
+    driver = tmp_path / "nan_driver.py"
+    driver.write_text(NAN_DRIVER)
+    flags = ["--model", "cnn2d_2layer_fullconnected_2layer", "--conv-features", "8,16", "--dense-features", "32",
+             "--batch-size", "16", "--epochs", "1", "--quiet",
+             "--optimizer", "sgd", "--momentum", "0", "--lr", "1e30", "--schedule", "constant", "--warmup-steps", "0",
+             "--norm", "none", "--mesh", "data=2", "--host-devices", "1", "--results-dir", str(tmp_path),
+             "--coordinator", f"localhost:{free_port()}", "--num-processes", "2", "--heartbeat-timeout", "10"]  # fmt: skip
+    command = [sys.executable, str(driver), *flags, "--process-id"]
+    procs = [
+        subprocess.Popen([*command, str(i)], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()  # a no-op once it has ended
+    said = [f"[p{i}] {out}{err}" for i, (out, err) in enumerate(outs)]
+    assert [p.returncode for p in procs] == [2, 2], "\n".join(s[-2000:] for s in said)
+    for _, err in outs:
+        assert "training loss is nan at step 2; stopped" in err.strip().splitlines()[-1], err[-2000:]
+    stopped = [re.findall(r"stopped with (\d+) steps dispatched", out) for out, _ in outs]
+    assert all(len(s) == 1 for s in stopped) and stopped[0] == stopped[1], stopped
