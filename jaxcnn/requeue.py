@@ -7,11 +7,12 @@ Lightning requeues from inside the training process for this reason
 (`SLURMEnvironment(auto_requeue=True)`), and so does jaxcnn: once every process has saved at
 the agreed stop, process 0 runs `scontrol requeue $SLURM_JOB_ID` and then all exit 75.
 
-It asks only when the job allows it (`sbatch --requeue`, shown as Requeue=1) and is still
-this instance's: RUNNING (a time limit's signal), COMPLETING (the batch shell was killed by
-the same signal) or PREEMPTED. A job that SLURM or an administrator has already requeued
-(PENDING, REQUEUED) is not requeued twice, and a job the user cancelled (CANCELLED) stays
-cancelled.
+It asks only when the job allows it (`sbatch --requeue`, shown as Requeue=1), has not been
+requeued since this run started (its Restarts still this run's SLURM_RESTART_COUNT: a job
+that SLURM, an administrator's `scontrol requeue` or another process has requeued shows
+COMPLETING like a preempted one, and is not requeued twice), and is in a state a requeue
+brings back: RUNNING (a time limit's signal), COMPLETING (the batch shell was killed by the
+same signal) or PREEMPTED. A job the user cancelled (CANCELLED) stays cancelled.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ def requeue_slurm_job(environ: Mapping[str, str] | None = None) -> str | None:
         return f"SLURM job {job} is not a batch job (srun or salloc): nothing to requeue"
     if fields.get("Requeue") != "1":
         return f"SLURM job {job} does not allow requeueing (sbatch --requeue); not requeued"
+    this_run = int(environ.get("SLURM_RESTART_COUNT") or 0)
+    if int(fields.get("Restarts") or 0) > this_run:
+        return f"SLURM job {job} has been requeued already; not requeued again"
     if state not in THIS_INSTANCE:
-        return f"SLURM job {job} is {state} already; not requeued again"
+        return f"SLURM job {job} is {state}; not requeued"
     done = _scontrol("requeue", job)
     if done.returncode != 0:
         return f"SLURM job {job}: scontrol requeue failed ({_first_line(done)})"
