@@ -57,7 +57,7 @@ MOBILENETS = {
         ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)),
         1280,
     ),
-    "mobilenet_v2_test": (16, ((1, 16, 1, 1), (6, 24, 2, 2)), 64),
+    "mobilenet_v2_test": (32, ((1, 16, 1, 1), (6, 24, 2, 2)), 64),
 }
 # The stem: "small" a 3x3 stride-1 conv (CIFAR-sized images), "imagenet" a 7x7 stride-2 conv
 # and a 3x3 stride-2 max-pool; "auto" picks imagenet from IMAGENET_STEM_FROM pixels a side.
@@ -336,11 +336,11 @@ class TrainConfig:
     lr_scaling: str = "none"  # "linear": lr x batch / base_batch, warmup from lr (Goyal et al. 2017)
     base_batch: int | None = None  # the batch the base learning rate was tuned for
     auto_batch: str | None = None  # "2GiB": the largest batch whose compiled step fits this per device
-    steps_per_call: int | str = "auto"  # optimizer steps per compiled call; "auto": chosen by the loop (jaxcnn.fit)
+    steps_per_call: int = 1  # optimizer steps per compiled call (docs/performance-and-gpu.md: when K > 1 pays)
 
     def __post_init__(self):
-        if self.steps_per_call != "auto" and (not isinstance(self.steps_per_call, int) or self.steps_per_call < 1):
-            raise UserError(f"--steps-per-call must be a positive integer or auto, got {self.steps_per_call!r}")
+        if not isinstance(self.steps_per_call, int) or self.steps_per_call < 1:
+            raise UserError(f"--steps-per-call must be a positive integer, got {self.steps_per_call!r}")
         if self.batch_schedule:
             epochs = [e for e, _ in self.batch_schedule]
             if epochs[0] != 0 or any(b <= a for a, b in itertools.pairwise(epochs)):

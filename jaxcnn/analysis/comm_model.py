@@ -18,7 +18,9 @@ degree (`height`), G = D x S the devices holding different data for one paramete
   (a tp shard is P/M); the FSDP-split ones are reduce-scattered instead, same buffer.
   Plus the loss and accuracy scalars. Under spatial, XLA reduces conv gradients over
   `spatial` and then over `data` (two all-reduces); the dense head, fed the gathered
-  activation, only over `data`.
+  activation, only over `data`. A depthwise conv's kernel gradient on split rows is the
+  exception: XLA reduces it over data x spatial in one all-reduce (its bias goes the usual
+  way; seen on MobileNetV2 and ConvNeXt, XLA:CPU, jax 0.12).
 - FSDP: one all-gather of each split parameter per step (gathered once, kept for backward).
 - batch norm over P > 1 pieces of the batch (P = D, or D x S where the layer's input is
   split by height and S divides its output height; jaxcnn.models.batch_norm), per layer: forward one all-reduce of the
@@ -41,6 +43,11 @@ degree (`height`), G = D x S the devices holding different data for one paramete
   rows; neither is modelled. Where a height stops dividing (or before a
   CNN's flatten) the activation is all-gathered, an uneven split padded to equal shards;
   a ResNet's global average pool over split rows all-reduces its partial sums.
+
+A depthwise conv (ConvNeXt's 7x7, MobileNetV2's 3x3) maps each channel to itself: under tp
+its channels are split exactly where its input's are (jaxcnn.sharding.axes.GROUP_IN), so it
+adds no tp term at all. LayerNorm over channels (ConvNeXt) has no batch statistics: no
+batch-norm terms; it sits on the residual stream, whole under tp.
 
 Not modelled (small, stated so the ratios can be read): under tp, a column layer's
 batch-norm vectors are gathered from their split channels (8 x C x f per such layer).
@@ -98,7 +105,7 @@ def comm_terms(
     layers = layer_shapes(config, image_shape)
     split_input, terms = spatial_plan(layers, s, local_batch, itemsize)
     split_of = {path: split for layer, split in zip(layers, split_input, strict=True)
-                for path in (layer.path, layer.norm_path) if path}  # fmt: skip
+                for path in (layer.path, layer.norm_path, *layer.other_paths) if path}  # fmt: skip
 
     def reduce_over(what: str, buffer: float, spatially_split: bool) -> None:
         """A sum over every device that saw other data: XLA reduces over the spatial
@@ -116,10 +123,19 @@ def comm_terms(
     def reduced_with_gradients(p: ParamPlacement) -> bool:  # batch norm's come with its statistics
         return not fsdp_split(p) and not (config.norm == "batch" and p.path.rsplit("/", 1)[0] in norm_paths)
 
+    depthwise = {layer.path for layer in layers if layer.depthwise}
+
+    def flat(p: ParamPlacement) -> bool:  # a depthwise kernel's gradient on split rows: one all-reduce over G
+        layer, leaf = p.path.rsplit("/", 1)
+        return s > 1 and spatially_split(p) and layer in depthwise and leaf == "kernel"
+
     for on_split in (True, False):
-        group = [p for p in params if spatially_split(p) == on_split and reduced_with_gradients(p)]
+        group = [p for p in params if spatially_split(p) == on_split and reduced_with_gradients(p) and not flat(p)]
         if group:
             reduce_over("gradients", sum(compute_bytes[p.path] for p in group), on_split)
+    flat_bytes = sum(compute_bytes[p.path] for p in params if flat(p) and reduced_with_gradients(p))
+    if flat_bytes and g > 1:
+        terms.append(CommTerm("all-reduce", "depthwise conv gradients (over data x spatial at once)", g, flat_bytes))
     if g > 1:
         terms.append(CommTerm("all-reduce", "loss and accuracy", g, 2 * 4))
     fsdp_bytes = sum(compute_bytes[p.path] for p in params if fsdp_split(p))
@@ -145,6 +161,8 @@ def comm_terms(
                 terms.append(CommTerm("all-reduce", "batch-norm scale and bias gradients", pieces, stats))
 
     for i, layer in enumerate(layers):
+        if layer.depthwise:  # each output channel from its own input channel: split alike, nothing moves
+            continue
         tp_out = layout.degree(layer.space_out, mesh_shape)
         tp_in = layout.degree(layer.space_in, mesh_shape)
         if tp_in > 1:  # a row layer: partial sums of its output

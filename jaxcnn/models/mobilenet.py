@@ -14,7 +14,9 @@ whole under `tp`; the expand conv is a column layer (its output channels `conv_o
 depthwise conv acts on that `conv_out` space -- each model device convolves its own
 channels, normalises them (batch norm is per channel) and moves nothing -- and the project
 conv is the row layer whose partial sums are all-reduced once. A t = 1 block has no
-expand conv, so the stem before it is its column layer. The last conv is a column layer
+expand conv, so the stem before it is its column layer (where the block adds its input
+back, that input must be whole: then the stem, the depthwise and the project convs stay
+whole and move nothing). The last conv is a column layer
 too (its 1280 channels are the model's largest layer) and the classifier the row layer
 after it: its logits' partial sums are all-reduced.
 """
@@ -60,9 +62,10 @@ def mobilenet_layer_shapes(config: ModelConfig, image_shape: tuple[int, int, int
     height, width, channels = image_shape
     stem_width, blocks, last_width = mobilenet_widths(config)
     stride = 2 if config.resnet_stem(image_shape) == "imagenet" else 1
-    first_expands = blocks[0][0] != 1
-    # without an expand conv in the first block, the stem is the column layer before its depthwise conv
-    stem_space = ax.CONV_IN if first_expands else ax.CONV_OUT
+    (t, out, s) = blocks[0]
+    # without an expand conv in the first block the stem is the column layer before its depthwise
+    # conv -- unless the block adds its input back (stride 1, width kept), which must be whole
+    stem_space = ax.CONV_OUT if t == 1 and not (s == 1 and stem_width == out) else ax.CONV_IN
     stem = LayerShape("conv", channels, stem_width, ax.CONV_IN, stem_space, height, width, stride=stride,
                       path="stem/conv", norm_path="stem/norm", unit=0)  # fmt: skip
     layers = [stem]
