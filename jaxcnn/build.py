@@ -68,7 +68,7 @@ def build_program(
     if image_dtype not in IMAGE_DTYPES:
         raise UserError(f"image dtype {image_dtype!r}: one of {', '.join(IMAGE_DTYPES)}")
     if steps_per_call < 1:
-        raise UserError(f"--steps-per-call must be a positive integer or auto, got {steps_per_call}")
+        raise UserError(f"--steps-per-call must be a positive integer, got {steps_per_call}")
     if layout.stage_axis and (on_device or steps_per_call > 1):
         raise UserError(
             "--data-on-device and --steps-per-call do not apply to --layout pipeline: the host drives its stages"

@@ -159,9 +159,7 @@ def fit(
 
     `device_data` is the training set placed on the devices (jaxcnn.data.on_device; the
     programs compiled for it): each call gets its examples' indices instead of batches.
-    `config.steps_per_call` steps run in one compiled call (jaxcnn.steps.calls); "auto"
-    times the first steps and, with the data on the devices and a step short enough for
-    the host to matter, compiles a call of enough steps on a thread and switches to it.
+    `config.steps_per_call` steps run in one compiled call (jaxcnn.steps.calls).
     Metrics come to the host every NONFINITE_CHECK_STEPS steps (from calls already done,
     read once they are, at the latest that many steps later): a non-finite loss stops the
     run at most twice that many steps plus four calls after it. An epoch's end waits for
@@ -184,22 +182,13 @@ def fit(
     tests = _eval_shares(programs, test_set)
     training_log.eval_examples = max((len(t.own) for t in tests.values()), default=None)
     position = resume.loader_position() if resume else None
-    fixed = config.steps_per_call if isinstance(config.steps_per_call, int) else 1
+    fixed = config.steps_per_call
     if device_data is not None:
         first = position["next_step"] if position else 0
         carries = [programs[config.batch_for_epoch(epoch)].calls.carry for epoch in range(len(steps_per_epoch))]
         batches = DeviceFeed(device_data, len(loader), steps_per_epoch, placements, carries, config.seed, first, fixed)
     else:
         batches = loader.batches(steps_per_epoch, placements, config.seed, position, steps_per_call=fixed)
-    first_program = programs[config.batch_for_epoch(0)]
-    sizer = (
-        _CallSizer(batches, steps_per_epoch)
-        # one process alone: several would each time their own calls and switch at different steps
-        # (their collectives would no longer match), so a multi-process run keeps one step a call
-        if config.steps_per_call == "auto" and device_data is not None and first_program.averaging is None
-        and jax.process_count() == 1
-        else None
-    )
     result = None
     first_in_epoch = 0
 
@@ -223,7 +212,7 @@ def fit(
             program = programs[config.batch_for_epoch(epoch)]
             test = tests.get(id(program))
             state, row = _train_epoch(
-                program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop, sizer,
+                program, state, batches, training_log, epoch, first_in_epoch, count, bar, stop,
                 evaluates=test is not None,
             )  # fmt: skip
             training_log.publish_finished()  # earlier epochs' rows whose metrics arrived meanwhile
@@ -251,7 +240,7 @@ def fit(
     finally:
         batches.close()
     training_log.input_startup_seconds = batches.startup_seconds
-    training_log.calls = {"steps_per_call": batches.steps_per_call, **(sizer.measured if sizer else {})}
+    training_log.calls = {"steps_per_call": batches.steps_per_call}
     bar.close()
     if result is None and test_set is not None:  # resumed at the very end: nothing left to train
         last = programs[config.batch_for_epoch(len(steps_per_epoch) - 1)]
@@ -306,7 +295,6 @@ def _train_epoch(
     count: int,
     bar,
     stop: StopRequests,
-    sizer: _CallSizer | None,
     evaluates: bool,
 ):
     """Run epoch `epoch`'s steps from where `training_log` stands, a call at a time; (new
@@ -329,13 +317,11 @@ def _train_epoch(
     runners = {}  # (steps, held) -> _step_runner's answer, for full calls (a short one's may change)
     start = time.perf_counter()
     while training_log.step < end:
-        started = time.perf_counter()
         steps, held, inputs = batches.next_call()
         run, stacked = runners.get((steps, held)) or _step_runner(program, steps, held, on_device)
         if steps == held:
             runners[steps, held] = run, stacked
         state, outputs = run(state, *inputs)
-        dispatched = time.perf_counter()
         if program.averaging is not None:  # local SGD (one step a call): the replicas meet when due
             state = program.averaging.after_step(state, training_log.step + 1, total)
         if training_log.images_seen == 0:  # one-off costs: keep them out of steady state
@@ -349,8 +335,6 @@ def _train_epoch(
         training_log.step += steps
         training_log.images_seen += steps * batch
         bar.update(steps)
-        if sizer is not None:
-            sizer.after_call(program, state, steps, started, dispatched, training_log.step)
         training_log.add_call(_Call(outputs["log"] if on_device else outputs, steps, stacked, row))
         if training_log.step < end and stop.check():
             break
@@ -396,134 +380,6 @@ def _train_epoch(
     return state, row
 
 
-class _CallSizer:
-    """--steps-per-call auto, with the data on the devices. The first calls run one step
-    each; MEASURE_CALLS of them (after the first, which compiles or warms up) are timed
-    apart: the host's part -- taking the inputs and dispatching -- and the devices'. Where
-    the host's part is under a tenth of a step, dispatching ahead hides it and one step a
-    call stays. Else the call gets enough steps for the host to be a tenth of it (at most an
-    epoch's), compiled on a thread while single steps go on, and used once ready -- when the
-    steps left would save more than the compile costs (estimated: a CPU compiles the K steps
-    written out, COMPILE_SECONDS_PER_STEP_CPU each, at most MAX_STEPS_CPU; elsewhere one
-    loop, COMPILE_SECONDS). The K-step call is then put on trial against one step a call, as
-    the loop runs them (dispatching ahead, nothing blocked but a window's end): MEASURE_CALLS
-    calls of K steps, then as many steps one a call, each window after a warm-up call, and
-    one step a call stays unless K's took less per step -- a compiler may run K steps
-    written out slower than one (XLA:CPU does, once a step's activations outgrow its caches),
-    and the host's part may have been hidden behind the devices all along. A window with an
-    epoch's shorter last call, a new program or a compile on a thread in it starts again."""
-
-    MEASURE_CALLS = 8
-    HOST_SHARE = 0.1  # the host's part of a call the chosen size aims for
-    MAX_STEPS, MAX_STEPS_CPU = 256, 8
-    COMPILE_SECONDS, COMPILE_SECONDS_PER_STEP_CPU = 10.0, 3.0
-
-    def __init__(self, feed: DeviceFeed, steps_per_epoch: list[int]):
-        self.feed, self.total = feed, sum(steps_per_epoch)
-        self.epoch_steps = min(steps_per_epoch)  # a call holds at most the shortest epoch's steps (a batch schedule)
-        self.calls_seen, self.chosen, self.decided = 0, None, False
-        self.host_seconds: list[float] = []
-        self.device_seconds: list[float] = []
-        self.trial: dict[int, float] = {}  # steps a call -> seconds a step, dispatching ahead
-        self.window: _Window | None = None
-
-    @property
-    def measured(self) -> dict:
-        if not self.device_seconds:
-            return {}
-        measured = {"host_seconds_per_call": float(np.median(self.host_seconds)),
-                    "step_seconds": float(np.median(self.device_seconds))}  # fmt: skip
-        if len(self.trial) == 2:
-            measured["tried_steps_per_call"] = self.chosen
-            measured["tried_seconds_per_step"] = self.trial[self.chosen]
-            measured["single_seconds_per_step"] = self.trial[1]
-        return measured
-
-    def after_call(self, program: Program, state, steps: int, started: float, dispatched: float, step: int) -> None:
-        """After a call that began (taking its inputs) at `started` and was dispatched at
-        `dispatched`; `step`: the run's steps taken."""
-        if self.decided:
-            return
-        if self.chosen is None:
-            self._measure_single(program, state, started, dispatched, step)
-        elif self.window is None:  # single steps while the K-step call compiles
-            if program.calls.ready(self.chosen, True):
-                self.feed.steps_per_call = self.chosen
-                self.window = _Window(program, self.chosen, self.MEASURE_CALLS)
-            else:
-                program.calls.compile_ahead(self.chosen, True)  # (once: a batch schedule's next program)
-        else:
-            self._try(program, state, steps, started)
-
-    def _measure_single(self, program: Program, state, started: float, dispatched: float, step: int) -> None:
-        self.calls_seen += 1
-        if self.calls_seen == 1:  # compiled or warmed up: not a measure
-            return
-        jax.block_until_ready(state)
-        self.host_seconds.append(dispatched - started)
-        self.device_seconds.append(max(time.perf_counter() - dispatched, 1e-7))
-        if len(self.host_seconds) == self.MEASURE_CALLS:
-            measured = self.measured
-            cpu = program.mesh.devices.flat[0].platform == "cpu"
-            self.chosen = self.steps_for(measured["host_seconds_per_call"], measured["step_seconds"], cpu, step)
-            self.decided = self.chosen == 1
-            if self.chosen > 1:
-                program.calls.compile_ahead(self.chosen, True)
-
-    def _try(self, program: Program, state, steps: int, started: float) -> None:
-        window = self.window
-        if not window.counts(program, steps) or program.calls.compiling():
-            self.window = _Window(program, window.steps, window.calls)  # again, from the next call
-            return
-        seconds = window.add(state, started)
-        if seconds is None:
-            return
-        self.trial[window.steps] = seconds
-        if window.steps > 1:  # now as many steps one a call
-            self.feed.steps_per_call = 1
-            self.window = _Window(program, 1, window.calls * window.steps)
-        else:
-            self.decided = True
-            if self.trial[self.chosen] < self.trial[1]:
-                self.feed.steps_per_call = self.chosen
-
-    def steps_for(self, host: float, step: float, cpu: bool, taken: int) -> int:
-        if host <= self.HOST_SHARE * step:
-            return 1
-        steps = min(math.ceil(host / (self.HOST_SHARE * step)), self.MAX_STEPS_CPU if cpu else self.MAX_STEPS)
-        steps = max(2, min(steps, self.epoch_steps))
-        saved = (self.total - taken) * host * (1 - 1 / steps)
-        cost = self.COMPILE_SECONDS_PER_STEP_CPU * steps if cpu else self.COMPILE_SECONDS
-        return steps if saved > cost else 1
-
-
-class _Window:
-    """A trial's timing of `calls` calls of `steps` steps as the loop runs them: from the
-    start of the call after a warm-up one to the end of the last. Only the warm-up and the
-    last are waited for (the warm-up, so that none of its steps is counted)."""
-
-    def __init__(self, program: Program, steps: int, calls: int):
-        self.program, self.steps, self.calls = program, steps, calls
-        self.seen, self.start = 0, None
-
-    def counts(self, program: Program, steps: int) -> bool:
-        """Whether a call belongs in this window (else it starts again)."""
-        return program is self.program and steps == self.steps
-
-    def add(self, state, started: float) -> float | None:
-        """After one of its calls: seconds a step once the window is full, else None."""
-        self.seen += 1
-        if self.seen == 1:  # the warm-up
-            jax.block_until_ready(state)
-            return None
-        if self.start is None:
-            self.start = started
-        if self.seen <= self.calls:
-            return None
-        jax.block_until_ready(state)
-        return (time.perf_counter() - self.start) / (self.calls * self.steps)
-
-
 @jax.jit
 def _joined(metrics: list[dict]) -> dict:
     """Calls' metrics, each metric's values of every call in one flat array (compiled: joined
@@ -553,14 +409,12 @@ class _Fetch:
     def __init__(self, calls: list[_Call]):
         self.calls = list(calls)
         self.joined = self.log = None
-        self.short = False  # some call holds more steps than it ran (an epoch's last): their values dropped
         if self.calls[-1].row is not None:  # the calls of one epoch (the log's), in order
             self.log, self.span = self.calls[-1].metrics, (self.calls[0].row, self.calls[-1].row + self.calls[-1].steps)
             arrays = list(self.log.values())
         elif len(self.calls) > 1 and all(c.metrics.keys() == self.calls[0].metrics.keys() for c in self.calls):
             self.joined = _joined([c.metrics for c in self.calls])
             arrays = list(self.joined.values())
-            self.short = any(c.stacked and c.steps < next(iter(c.metrics.values())).shape[0] for c in self.calls)
         else:  # one call, or (rare) calls of different metrics: one by one
             arrays = jax.tree.leaves([c.metrics for c in self.calls])
         for array in arrays:
@@ -577,16 +431,12 @@ class _Fetch:
             return {name: values[start:stop] for name, values in jax.device_get(self.log).items()}
         if self.joined is None:  # each metric of the calls with it
             parts: dict[str, list] = {}
-            for m, steps, stacked, _ in jax.device_get(self.calls):
+            for m, *_ in jax.device_get(self.calls):
                 for name, value in m.items():
-                    parts.setdefault(name, []).append(np.reshape(value, -1)[:steps] if stacked else np.reshape(value, 1))
+                    parts.setdefault(name, []).append(np.reshape(value, -1))
             return {name: np.concatenate(values) for name, values in parts.items()}
-        joined = jax.device_get(self.joined)
-        if not self.short:
-            return joined
-        held = [next(iter(c.metrics.values())).size if c.stacked else 1 for c in self.calls]
-        ran = np.concatenate([np.arange(h) < c.steps for h, c in zip(held, self.calls, strict=True)])
-        return {name: values[ran] for name, values in joined.items()}
+        # (from the host every call runs all the steps it holds: nothing to drop)
+        return jax.device_get(self.joined)
 
 
 class _TrainingLog:
@@ -612,7 +462,7 @@ class _TrainingLog:
         self.first_step_finished = None  # time.perf_counter() when the run's first step had finished
         self.input_startup_seconds = None
         self.eval_examples = None  # test examples this process reads (its rows of each batch)
-        self.calls = {}  # the steps per call the run ended with, and the step time its choice read
+        self.calls = {}  # the steps per call
         self.fingerprint = None
         self.pending: list[_Call] = []  # calls not yet fetched
         self.older = 0  # steps in `pending` before its newest call

@@ -70,7 +70,7 @@ class StepCall:
 class StepCalls:
     """The calls a program's loop may make, by (steps, on_device), each compiled the first
     time it is asked for -- or ahead, on a thread (`compile_ahead`), while the loop runs
-    others: the loop's automatic steps per call is chosen once the first steps are timed."""
+    others: an epoch's shorter last call on the devices."""
 
     def __init__(
         self, lower: Callable[[int, bool], Any], options: dict | None, ready: dict[tuple, StepCall], carry=None
@@ -93,11 +93,6 @@ class StepCalls:
 
     def ready(self, steps: int, on_device: bool) -> bool:
         return (steps, on_device) in self._calls
-
-    def compiling(self) -> bool:
-        """Whether a call is being compiled on a thread (it takes cores from the steps)."""
-        with self._lock:
-            return bool(self._pending)
 
     def compile_ahead(self, steps: int, on_device: bool) -> None:
         """Start compiling the call on a thread (XLA does not hold the interpreter)."""

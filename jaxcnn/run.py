@@ -87,7 +87,7 @@ def _train(config: RunConfig, launch: Launch, stop: StopRequests, started: float
         loader = dataclasses.replace(loader, dataset=train_set)
     on_device, on_device_said = choose(data.data_on_device, train_set, layout, mesh, augment, train_config.seed)
     per_call = train_config.steps_per_call
-    if isinstance(per_call, int) and on_device:  # a call holds at most an epoch's steps (the shortest's)
+    if on_device:  # a call holds at most an epoch's steps (the shortest's)
         per_call = min(per_call, len(train_set) // max(train_config.batch_sizes))
         train_config = dataclasses.replace(train_config, steps_per_call=per_call)
     programs = build_programs(
@@ -95,7 +95,7 @@ def _train(config: RunConfig, launch: Launch, stop: StopRequests, started: float
         update=config.update, microbatches=config.parallel.microbatches, stage_split=config.parallel.stage_split,
         pipeline_schedule=config.parallel.pipeline_schedule, virtual_stages=config.parallel.virtual_stages,
         image_dtype=train_set.images.dtype.name, on_device=on_device,
-        steps_per_call=per_call if isinstance(per_call, int) else 1,
+        steps_per_call=per_call,
     )  # fmt: skip
     program = programs[train_config.batch_size]
     device_data = placed(train_set, on_device, layout, mesh) if on_device else None

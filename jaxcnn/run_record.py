@@ -67,14 +67,7 @@ def run_record(config: RunConfig, programs: dict, train_config, outcome: FitResu
         "input_rows_per_process": len(program.train_input.share.rows),  # of each global batch
         "input_startup_seconds": outcome.extra["input_startup_seconds"],  # the first batch: workers starting
         "eval_examples_per_process": outcome.extra["eval_examples_per_process"],  # test examples process 0 reads
-        "steps_per_call": outcome.extra.get("steps_per_call"),  # what the run ended with (auto: chosen by timing)
-        # what --steps-per-call auto read: the host's seconds a call (inputs, dispatch) and the devices' a step
-        "host_seconds_per_call": outcome.extra.get("host_seconds_per_call"),
-        "step_seconds": outcome.extra.get("step_seconds"),
-        # its trial, dispatching ahead: seconds a step with the K it tried, and one a call
-        "tried_steps_per_call": outcome.extra.get("tried_steps_per_call"),
-        "tried_seconds_per_step": outcome.extra.get("tried_seconds_per_step"),
-        "single_seconds_per_step": outcome.extra.get("single_seconds_per_step"),
+        "steps_per_call": outcome.extra.get("steps_per_call"),  # the K of the run's calls
         "data": loader.dataset.source,
         "test_data": test_set.source,
         "image_shape": list(loader.dataset.image_shape),

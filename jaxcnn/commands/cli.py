@@ -88,7 +88,7 @@ def name_list(text: str) -> tuple[str, ...]:
 
 
 def positive_int_or(word: str) -> Callable[[str], int | str]:
-    """A flag type taking a positive integer or `word` (--steps-per-call auto, --batch fill)."""
+    """A flag type taking a positive integer or `word` (--batch fill)."""
 
     def parse(text: str) -> int | str:
         if text.strip().lower() == word.lower():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxcnn.commands.cli import batch_schedule, int_list, name_list, positive_int_or
+from jaxcnn.commands.cli import batch_schedule, int_list, name_list
 from jaxcnn.config import (
     CONV1X1_KERNELS,
     CONVNEXTS,
@@ -217,9 +217,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     g.add_argument("--seed", type=int, default=defaults_t.seed)
     g.add_argument(
-        "--steps-per-call", type=positive_int_or("auto"), default=defaults_t.steps_per_call, metavar="K|auto",
-        help="optimizer steps in one compiled call (auto: 1, or, with the data on the devices and a step so short "
-        "that the host's part of a call is over a tenth of it, enough steps to make it a tenth; default %(default)s)",
+        "--steps-per-call", type=int, default=defaults_t.steps_per_call, metavar="K",
+        help="optimizer steps in one compiled call: more than 1 pays where the host's part of a call (inputs, "
+        "dispatch) is a large share of a short step, on an accelerator (default %(default)s)",
     )  # fmt: skip
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults_o.name)
     g.add_argument("--learning-rate", "--lr", type=float, default=defaults_o.learning_rate, help="peak learning rate")

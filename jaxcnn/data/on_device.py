@@ -164,9 +164,8 @@ class DeviceFeed:
     its batch), its epoch, its batch index and the epoch's steps -- go to every device; each
     call takes its rows from there and hands back its carry -- the next row, and its epoch's
     metrics so far -- which the next call takes (jaxcnn.steps.calls.steps_on_device_data), so
-    a call costs the host its dispatch and nothing else. `steps_per_call` may change between
-    calls (the loop's automatic choice); a call never crosses an epoch: the epoch's last may
-    run fewer steps than it holds. Nothing waits on the host: no input stall to clock."""
+    a call costs the host its dispatch and nothing else. A call never crosses an epoch: the
+    epoch's last may run fewer steps than it holds. Nothing waits on the host: no input stall to clock."""
 
     def __init__(
         self, data: tuple[jax.Array, jax.Array], size: int, epoch_steps: Sequence[int],
@@ -184,7 +183,6 @@ class DeviceFeed:
         self._first_carries: dict[int, dict] = {}  # id(abstract carry) -> at row 0 (never changed: reused)
         self._replicated = NamedSharding(placements[0].images.sharding.mesh, P())
         self.startup_seconds = 0.0
-        self.wait_seconds = 0.0
 
     def _epoch_rows(self, epoch: int) -> jax.Array:
         """Epoch `epoch`'s rows, placed."""
