@@ -20,11 +20,12 @@ process. A second Ctrl-C exits at once, without saving.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 STOPPED_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL, "try again later": the state is saved; run the same command again
 INTERRUPTED_EXIT_CODE = 130  # a Ctrl-C (128 + SIGINT), the state saved
@@ -33,6 +34,24 @@ INTERRUPTED_EXIT_CODE = 130  # a Ctrl-C (128 + SIGINT), the state saved
 def signal_number(name: str) -> signal.Signals:
     """A signal by name ("USR1" or "SIGUSR1")."""
     return signal.Signals["SIG" + name.upper().removeprefix("SIG")]
+
+
+_EARLY: list[signal.Signals] = []  # stops sent before stop_requests opened, kept for it (keep_early_stops)
+
+
+def keep_early_stops(argv: Sequence[str]) -> None:
+    """First thing in a training process: a SIGTERM, or the `--stop-signal` named in `argv`,
+    sent while the process starts is kept for `stop_requests` to act on at the first step.
+    Importing JAX takes seconds (tens on a loaded machine): a time limit's SIGUSR1 arriving
+    then would otherwise end the process (its default action) before anything is saved."""
+    names = [value for flag, value in itertools.pairwise(argv) if flag == "--stop-signal"]
+    names += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--stop-signal=")]
+    numbers = [signal.SIGTERM]
+    for name in names[-1:]:
+        with contextlib.suppress(KeyError):  # a bad name is the flags' to refuse
+            numbers.append(signal_number(name))
+    for number in numbers:
+        signal.signal(number, lambda signum, frame: _EARLY.append(signal.Signals(signum)))
 
 
 class StopRequests:
@@ -113,6 +132,9 @@ def stop_requests(multi_process: bool, extra: str | None = None) -> Iterator[Sto
             os.kill(os.getpid(), signal.SIGTERM)
 
     previous = {number: signal.signal(number, handler) for number in numbers}
+    for signum in _EARLY:  # sent while the process started
+        handler(signum, None)
+    _EARLY.clear()
     try:
         yield stop
     finally:

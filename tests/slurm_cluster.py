@@ -24,6 +24,9 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
 START_S = 60  # daemons up and the node idle
 GPUS = 8
+# SLURM holds a requeued batch job for a step credential's lifetime (cred_expire, 120 s by
+# default) before it may start again on the node that revoked the old one's
+CREDENTIAL_S = 20
 TIME_CHECK_S = 30  # slurmctld tests time limits (and sends --signal's warnings) every 30 s from its start
 
 
@@ -45,7 +48,7 @@ SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge.socket
+AuthInfo=socket={root}/munge.socket,cred_expire={CREDENTIAL_S}
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={root}/state

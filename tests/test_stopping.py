@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -173,3 +174,20 @@ def test_a_stop_during_after_or_before_a_periodic_save_never_hangs(tmp_path, ref
     problems = [f"{row['moment']}: {row['problem']}\n{row['output_tail']}" for row in rows if row["problem"]]
     assert not problems and len(rows) == 4, problems or rows
     assert all(row["seconds_to_exit"] < soak.STOP_LIMIT_S for row in rows[:3]), rows
+
+
+def test_a_stop_signal_sent_while_the_process_starts_stops_it_at_its_first_step(tmp_path):
+    """--stop-signal USR1 sent half a second after the start, while Python imports JAX: kept
+    (jaxcnn.stopping.keep_early_stops), not the signal's default end of the process -- the run
+    stops at its first step, saves and exits 75. Seen on the SLURM test cluster before: a time
+    limit's USR1 that came while a loaded machine started the tasks killed both (exit 138)."""
+    proc = start([TRAIN, *FLAGS, "--host-devices", "4", "--stop-signal", "USR1", "--results-dir", tmp_path,
+                  "--run-name", "r", "--quiet"])  # fmt: skip
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGUSR1)
+    try:
+        out = proc.communicate(timeout=RUN_LIMIT_S)[0]
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert stopped_steps(out) == [1] and record(tmp_path, "r")["stopped_by"] == "SIGUSR1", out[-3000:]

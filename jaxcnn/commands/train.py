@@ -18,8 +18,10 @@ jaxcnn train --resume auto --run-name NAME        # continue it if it saved a st
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
+from jaxcnn import stopping
 from jaxcnn.commands import cli, run_flags
 from jaxcnn.run_config import ClusterConfig, RunConfig
 
@@ -65,6 +67,7 @@ def parse_flags(argv=None) -> RunConfig:
 
 
 def main(argv=None) -> dict:
+    stopping.keep_early_stops(sys.argv[1:] if argv is None else argv)  # before anything slow
     config = parse_flags(argv)
     from jaxcnn.run import train  # JAX starts here, after the flags
 
