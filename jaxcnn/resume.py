@@ -2,6 +2,7 @@
 and the checks that the flags it resumes under train the same steps it took.
 
     resume = Resume.from_record(restored.record)      # a checkpoint's record (jaxcnn.checkpoint)
+    record = history.snapshot(feed.position()).to_record(fingerprint)   # the loop's, to save
     resume.check_continues(len(train_set), train_config)
 """
 
@@ -27,6 +28,15 @@ class Resume:
     loader: dict | None = None  # the loader's position (Batches.position); None: from the step
     epoch_sizes: list[list[int]] | None = None  # [steps, global batch] per epoch, and the seed, of the run
     seed: int | None = None  # that saved it (None: a checkpoint from before they were recorded)
+
+    def to_record(self, fingerprint: list) -> dict:
+        """The checkpoint's record (JSON) of this point of a run, with its state's
+        fingerprint (jaxcnn.checkpoint.state_fingerprint); `from_record` reads it back."""
+        return {
+            "step": self.step, "loss_history": self.loss_history, "accuracy_history": self.accuracy_history,
+            "epochs": self.epochs, "skipped_steps": self.skipped_steps, "fingerprint": fingerprint,
+            "loader": self.loader, "epoch_sizes": self.epoch_sizes, "seed": self.seed,
+        }  # fmt: skip
 
     @classmethod
     def from_record(cls, record: dict) -> Resume:

@@ -227,13 +227,13 @@ def test_a_non_finite_loss_stops_the_run_within_its_documented_bound(per_call, b
     steps: each epoch's end starts a fetch of its own, which must still be read in time."""
     import re
 
-    import jaxcnn.fit
+    import jaxcnn.fit.metrics
     from jaxcnn.config import OptimConfig
     from jaxcnn.fit import NonFiniteLoss
     from jaxcnn.program import StepCall
 
     if not polled:
-        monkeypatch.setattr(jaxcnn.fit._Fetch, "ready", lambda self: False)
+        monkeypatch.setattr(jaxcnn.fit.metrics.Fetch, "ready", lambda self: False)
     data, layout, mesh = bundled_digits(), layout_named("single"), build_mesh({"data": 1})
     on, _ = choose("on", data, layout, mesh, Augment(), 0)
     optim = OptimConfig(name="sgd", learning_rate=1e30, schedule="constant", warmup_steps=0, momentum=0)

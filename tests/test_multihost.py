@@ -174,24 +174,24 @@ def test_a_dead_peer_ends_the_run_within_the_bound(tmp_path):
 NAN_DRIVER = """
 import sys
 
-import jaxcnn.fit as fit
+import jaxcnn.fit.metrics as metrics
 from jaxcnn.commands import cli
 from jaxcnn.commands.train import PROG, main
 
 process_id = int(sys.argv[sys.argv.index("--process-id") + 1])
-fit._Fetch.ready = lambda self: process_id == 0
-record = fit._TrainingLog.record
+metrics.Fetch.ready = lambda self: process_id == 0
+read = metrics.MetricsReader._read
 
 
-def recorded(self, metrics):
+def recorded(self, values):
     try:
-        record(self, metrics)
-    except fit.NonFiniteLoss:
-        print(f"stopped with {self.step} steps dispatched", flush=True)
+        read(self, values)
+    except metrics.NonFiniteLoss:
+        print(f"stopped with {self.dispatched} steps dispatched", flush=True)
         raise
 
 
-fit._TrainingLog.record = recorded
+metrics.MetricsReader._read = recorded
 cli.run_main(PROG, lambda: main(sys.argv[1:]))
 """
 

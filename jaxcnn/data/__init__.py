@@ -3,14 +3,12 @@ name, read from IDX files; folders: your own images, decoded when used) and how 
 become the step's batches (loader: a grain pipeline, handing them over placed)."""
 
 from jaxcnn.data.datasets import DATASETS, load_datasets, load_named, load_source
+from jaxcnn.data.feed import Batches, CallMetrics, Feed, Schedule, Step
 from jaxcnn.data.folders import ImageFiles, load_image_folder, split_validation
 from jaxcnn.data.loader import (
     Augment,
-    Batches,
     EvalShare,
     Loader,
-    Schedule,
-    Step,
     batch_indices,
     epoch_order,
     eval_batches,
@@ -22,8 +20,10 @@ __all__ = [
     "DATASETS",
     "Augment",
     "Batches",
+    "CallMetrics",
     "Dataset",
     "EvalShare",
+    "Feed",
     "ImageFiles",
     "Loader",
     "Schedule",

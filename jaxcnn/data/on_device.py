@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -26,7 +26,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.data.loader import Augment, Schedule, epoch_order
+from jaxcnn.data.feed import CallMetrics, Schedule
+from jaxcnn.data.loader import Augment, epoch_order
 from jaxcnn.data.sources import FULL_SCALES, Dataset
 from jaxcnn.errors import UserError
 from jaxcnn.run_config import DATA_ON_DEVICE
@@ -159,7 +160,7 @@ def carry_at(carry, row: int) -> dict:
 
 
 class DeviceFeed:
-    """The run's steps as calls on data held on the devices. Once an epoch, its rows
+    """The `Feed` (jaxcnn.data.feed) of the run's steps as calls on data held on the devices. Once an epoch, its rows
     [steps, B + 3] -- each step's examples' indices (in the order the epoch's program takes
     its batch), its epoch, its batch index and the epoch's steps -- go to every device; each
     call takes its rows from there and hands back its carry -- the next row, and its epoch's
@@ -183,6 +184,22 @@ class DeviceFeed:
         self._first_carries: dict[int, dict] = {}  # id(abstract carry) -> at row 0 (never changed: reused)
         self._replicated = NamedSharding(placements[0].images.sharding.mesh, P())
         self.startup_seconds = 0.0
+        self._call = (0, 0)  # the last call's (steps, epoch log row it began at)
+
+    epoch_end_waits = False  # nothing to clock: an epoch's end need not wait for the devices
+
+    def start_epoch(self, program, steps: int, last: bool) -> None:
+        """An epoch's last call runs exactly its steps left, compiled on a thread for the
+        epochs after this one (and this one's, if in time); until then that call holds idle
+        steps (`compiled`)."""
+        remainder = steps % self.steps_per_call
+        if self.steps_per_call > 1 and remainder and not last:
+            program.calls.compile_ahead(remainder, True)
+
+    def compiled(self, program, steps: int, held: int) -> Callable:
+        if steps < held and program.calls.ready(steps, True):
+            held = steps
+        return program.calls.get(held, True).run
 
     def _epoch_rows(self, epoch: int) -> jax.Array:
         """Epoch `epoch`'s rows, placed."""
@@ -212,16 +229,18 @@ class DeviceFeed:
         if call > self._epoch[1].shape[0] // 2:
             raise ValueError(f"a call of {call} steps holds more than an epoch's {self._epoch[1].shape[0] // 2}")
         steps = min(call, self._epoch_end - self._next_step)  # an epoch's last call may run fewer steps than it holds
+        self._call = steps, self._next_step - int(self._steps.starts[self._epoch[0]])
         self._next_step += steps
         return steps, call, (*self.data, self._epoch[1], self._carry)
 
-    def dispatched(self, carry: dict) -> None:
-        """The call's carry, the next call's. After an epoch's last call, the next epoch's
-        rows are placed while the devices run it."""
+    def dispatched(self, carry: dict) -> CallMetrics:
+        """The call's carry, the next call's; its metrics: the epoch's log. After an epoch's
+        last call, the next epoch's rows are placed while the devices run it."""
         self._carry = carry
         if self._next_step == self._epoch_end < len(self._steps) and self._ahead is None:
             epoch = self._epoch[0] + 1
             self._ahead = epoch, self._epoch_rows(epoch)
+        return CallMetrics(carry["log"], *self._call)
 
     def position(self) -> dict:
         return {"next_step": self._next_step}
