@@ -271,7 +271,7 @@ def rescheduled(program, schedule: str):
     runner = program.pipeline
     stages = len(runner.timeline[0])
     timeline = ticks(stage_orders(schedule, stages, 1, runner.microbatches), stages)
-    held = held_in_flight(timeline, [p["x_bytes"] for p in runner.programs], [p["y_bytes"] for p in runner.programs])
+    held = held_in_flight(timeline, [p.x_bytes for p in runner.programs], [p.y_bytes for p in runner.programs])
     anatomy = replace(program.anatomy, stage_held_bytes=held, bubble_fraction=timeline_bubble(timeline))
     return replace(program, anatomy=anatomy)
 

@@ -18,40 +18,40 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcnn import platform_choices
 from jaxcnn.compiling import Compilation, kernel_record
-from jaxcnn.models import build_model, cross_entropy, resolve_kernels, unit_pixels
-from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
 from jaxcnn.pipeline.schedule import (
+    ChunkPrograms,
     PipelineState,
     ScheduleRunner,
     StageState,
     bubble_fraction,
     held_in_flight,
-    stage_orders,
-    ticks,
     timeline_bubble,
 )
-from jaxcnn.pipeline.split import Stage, check_stages_within_processes, stage_groups, sub_meshes
+from jaxcnn.pipeline.stages import (
+    ChunkFunctions,
+    PipelineCut,
+    PlacedChunks,
+    cut_model,
+    place_chunks,
+    replicated,
+    with_shardings,
+)
 from jaxcnn.pipeline.state import StateForms
 from jaxcnn.program import Anatomy, CompiledPart, Program, ProgramSpec
 from jaxcnn.saved_model import ModelVariables, flat_variables
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import DP
-from jaxcnn.sharding.partition import (
-    ParamPlacement,
-    activation_layout,
-    bytes_per_device,
-    data_sharding,
-    place_variables,
-)
+from jaxcnn.sharding.partition import data_sharding
 from jaxcnn.sharding.placement import BatchPlacement
 
 
@@ -64,304 +64,277 @@ def build_pipeline_program(
 ) -> Program:
     """Per-chunk programs on the stages' sub-meshes (S x V chunks, chunk c on stage c mod S),
     run in `schedule`'s order (jaxcnn.pipeline.schedule; sizes validated by jaxcnn.build;
-    `stage_split` None: balanced by FLOPs)."""
+    `stage_split` None: balanced by FLOPs): the model cut, the chunks placed, their
+    programs lowered and compiled, then the Program and its report."""
     # a pipeline always compiles init, and has no update rule but its micro-batches (jaxcnn.build checks)
-    layout, mesh, image_shape, seed = spec.layout, spec.mesh, spec.image_shape, spec.seed
-    batch_size, eval_batch_size, with_eval = spec.batch_size, spec.eval_batch_size, spec.with_eval
-    platform = mesh.devices.flat[0].platform
-    model_config = resolve_kernels(spec.model_config, platform)
-    num_stages = mesh.shape[layout.stage_axis]
-    chunks = num_stages * virtual_stages
-    groups = stage_groups(model_config, image_shape, num_stages, stage_split, virtual_stages)
-    m = microbatches
-    micro = batch_size // m
-    meshes = [sub_meshes(mesh, layout.stage_axis)[c % num_stages] for c in range(chunks)]  # chunk c's devices
-    check_stages_within_processes(meshes, mesh, layout.stage_axis)
-    timeline = ticks(stage_orders(schedule, num_stages, virtual_stages, m), chunks)
-    data_ways = math.prod(meshes[0].shape.values())
-    # activations cross stages in the compute dtype (bfloat16 halves the bytes sent)
-    act_dtype = jnp.dtype(model_config.dtype)
-    tx = make_optimizer(spec.optim_config, spec.total_steps)
-    pixels = jnp.dtype(spec.image_dtype)  # stage 0's input; uint8 is scaled in its programs (unit_pixels)
     start = time.perf_counter()
+    cut = cut_model(spec, microbatches, stage_split, schedule, virtual_stages)
+    placed = place_chunks(cut)
+    batch = _BatchShardings.of(cut)
+    lowered = _lower(cut, placed, batch)  # lowered as the stages are built: their time is in the build's total
+    compiled = _compile(cut, lowered)
+    compiled.lower_seconds = time.perf_counter() - start - compiled.compilation.seconds
+    return _assemble(cut, placed, batch, lowered.boundaries, compiled, schedule, virtual_stages)
 
-    def stage_module(s: int) -> Stage:
-        return Stage(build_model(model_config, image_shape, seed), groups[s])
 
-    def init_stage(s: int) -> StageState:
-        _, params, stats = nnx.split(stage_module(s), nnx.Param, ...)
-        return StageState(params, stats, tx.init(params))
+@dataclass(frozen=True)
+class _BatchShardings:
+    """Where a step's batch and an evaluation's arrive: the images on the first stage, the
+    labels on the last; grouped [M, micro, ...], each micro-batch split over `data`."""
 
-    stages, placements, param_bytes, opt_bytes, shardings = [], [], [], [], []
-    graphdefs, act_bytes = [], []
-    for s, sub in enumerate(meshes):
-        abstract = jax.eval_shape(lambda s=s: init_stage(s))
-        graphdefs.append(nnx.graphdef(nnx.eval_shape(lambda s=s: stage_module(s))))
-        p_sh, rows = place_variables(abstract.params, DP, sub)
-        st_sh, st_rows = place_variables(abstract.stats, DP, sub)
-        o_sh = optimizer_shardings(tx, abstract.opt_state, p_sh, sub)
-        shardings.append(StageState(p_sh, st_sh, o_sh))
-        placements += [
-            ParamPlacement(f"stage{s}/{r.path}", r.logical, r.shape, r.dtype, r.spec, r.bytes_per_device, r.notes)
-            for r in rows + st_rows
-        ]
-        param_bytes.append(sum(r.bytes_per_device for r in rows + st_rows))
-        opt_bytes.append(bytes_per_device(with_shardings(abstract.opt_state, o_sh)))
-        stages.append(abstract)
+    images: NamedSharding
+    labels: NamedSharding
+    grouped_images: NamedSharding
+    grouped_labels: NamedSharding
 
-    # activation shapes between stages: trace each stage on one micro-batch
-    shape = jax.ShapeDtypeStruct((micro, *image_shape), jnp.float32)
-    act_shapes = []
-    for s in range(chunks):
-        gd = graphdefs[s]
-        shape = jax.eval_shape(
-            lambda p, st, x, gd=gd: nnx.merge(gd, p, st)(x, train=False), stages[s].params, stages[s].stats, shape
+    @classmethod
+    def of(cls, cut: PipelineCut) -> _BatchShardings:
+        first, last = cut.meshes[0], cut.meshes[-1]
+        micro_spec = lambda n: P(None, ax.DATA, *([None] * n)) if ax.DATA in first.shape else P()  # noqa: E731
+        return cls(
+            data_sharding(ax.IMAGE_BHWC, DP, first), data_sharding((ax.BATCH,), DP, last),
+            NamedSharding(first, micro_spec(3)), NamedSharding(last, micro_spec(0)),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """How chunk c's activations arrive, and what a device holds of one micro-batch's."""
+
+    x_sharding: NamedSharding
+    y_sharding: NamedSharding
+    eval_x_sharding: NamedSharding | None
+    x_bytes: int
+    y_bytes: int
+
+
+@dataclass
+class _Lowered:
+    chunks: list[dict[str, Any]]  # per chunk: program name -> lowered
+    shared: dict[str, Any]  # "group_images", "group_labels", "tail" (with evaluation)
+    boundaries: list[_Boundary]
+
+
+def _lower(cut: PipelineCut, placed: PlacedChunks, batch: _BatchShardings) -> _Lowered:
+    """Every chunk's programs (`ChunkPrograms`' fields) and the step's shared ones, lowered."""
+    spec, fns, rep = cut.spec, ChunkFunctions(cut, placed), replicated(cut)
+    chunks, boundaries = [], []
+    for c, sub in enumerate(cut.meshes):
+        sh = placed.shardings[c]
+        in_shape = (cut.microbatches, cut.micro, *spec.image_shape) if c == 0 else placed.act_shapes[c - 1].shape
+        x_sh = batch.grouped_images if c == 0 else cut.on(sub, in_shape)
+        y_sh = cut.on(sub, placed.act_shapes[c].shape)
+        chunks.append(_lower_chunk(cut, placed, fns, c, x_sh, y_sh, rep[c], batch.grouped_labels))
+        e_sh = None
+        if spec.with_eval:
+            e_sh = batch.images if c == 0 else cut.on(sub, (spec.eval_batch_size, *in_shape[1:]))
+            chunks[-1]["eval"] = _lower_eval(cut, placed, fns, c, e_sh)
+        chunks[-1]["init"] = jax.jit(lambda c=c: cut.init_chunk(c), out_shardings=sh).lower()
+        x_bytes = placed.act_bytes[c - 1] // cut.data_ways if c > 0 else 0
+        boundaries.append(_Boundary(x_sh, y_sh, e_sh, x_bytes, placed.act_bytes[c] // cut.data_ways))
+    return _Lowered(chunks, _lower_shared(cut, fns, batch, rep[-1]), boundaries)
+
+
+def _lower_chunk(cut, placed, fns: ChunkFunctions, c: int, x_sh, y_sh, rep, labels_sh) -> dict[str, Any]:
+    """Chunk c's training programs: forward and backward (the last chunk: `last`), update,
+    zeros, and on chunk 0 the step's key."""
+    sh, state, act = placed.shardings[c], placed.abstract[c], placed.act_shapes
+    params_sds, stats_sds = with_shardings(state.params, sh.params), with_shardings(state.stats, sh.stats)
+    in_shape = (cut.microbatches, cut.micro, *cut.spec.image_shape) if c == 0 else act[c - 1].shape
+    x_sds = jax.ShapeDtypeStruct(in_shape, cut.pixels if c == 0 else cut.act_dtype, sharding=x_sh)
+    dy_sds = jax.ShapeDtypeStruct(act[c].shape, cut.act_dtype, sharding=y_sh)
+    key_sds = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
+    mb_sds = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    opt_sds = with_shardings(state.opt_state, sh.opt_state)
+    wrap = jax.random.wrap_key_data
+    prog = {}
+    if c < cut.chunks - 1:
+        prog["forward"] = (
+            jax.jit(lambda p, st, x, mb, k: fns.forward(c, p, st, x, mb, wrap(k)), out_shardings=(y_sh, sh.stats))
+            .lower(params_sds, stats_sds, x_sds, mb_sds, key_sds)
+        )  # fmt: skip
+        prog["backward"] = (
+            jax.jit(lambda p, st, x, mb, k, dy, acc: fns.backward(c, p, st, x, mb, wrap(k), dy, acc),
+                    out_shardings=(sh.params, x_sh if c > 0 else None), donate_argnums=(6,))
+            .lower(params_sds, stats_sds, x_sds, mb_sds, key_sds, dy_sds, params_sds)
+        )  # fmt: skip
+        prog["update"] = jax.jit(fns.update, out_shardings=(sh.params, sh.opt_state), donate_argnums=(0, 1)).lower(
+            params_sds, opt_sds, params_sds
         )
-        act_shapes.append(shape)
-        act_bytes.append(math.prod(shape.shape) * act_dtype.itemsize)
+        prog["zeros"] = jax.jit(lambda: fns.zeros(c), out_shardings=sh.params).lower()
+    else:
+        labels_sds = jax.ShapeDtypeStruct((cut.microbatches, cut.micro), jnp.int32, sharding=labels_sh)
+        totals_sds = (
+            jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+        )
+        prog["last"] = (
+            jax.jit(lambda p, st, x, y, mb, k, acc, t: fns.last_backward(p, st, x, y, mb, wrap(k), acc, t),
+                    out_shardings=(sh.params, x_sh if c > 0 else None, sh.stats, (rep, rep)), donate_argnums=(6,))
+            .lower(params_sds, stats_sds, x_sds, labels_sds, mb_sds, key_sds, params_sds, totals_sds)
+        )  # fmt: skip
+        prog["update"] = jax.jit(
+            fns.update_last, out_shardings=(sh.params, sh.opt_state, rep), donate_argnums=(0, 1)
+        ).lower(params_sds, opt_sds, params_sds, totals_sds)
+        prog["zeros"] = jax.jit(lambda: fns.zeros(c), out_shardings=(sh.params, (rep, rep))).lower()
+    if c == 0:
+        step_sds = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+        prog["step_key"] = jax.jit(fns.step_key, out_shardings=(rep, rep)).lower(key_sds, step_sds)
+    return prog
 
-    def on(sub: Mesh, shape_tuple):
-        logical = ax.IMAGE_BHWC if len(shape_tuple) == 4 else ax.FEATURES_BF
-        return data_sharding(logical[: len(shape_tuple)], DP, sub)
 
-    first, last = meshes[0], meshes[-1]
-    image_sh = eval_image_sh = data_sharding(ax.IMAGE_BHWC, DP, first)
-    label_sh = eval_vec_sh = data_sharding((ax.BATCH,), DP, last)
-    rep = [NamedSharding(sub, P()) for sub in meshes]
+def _lower_eval(cut: PipelineCut, placed: PlacedChunks, fns: ChunkFunctions, c: int, e_sh) -> Any:
+    """Chunk c's evaluation: its forward on an evaluation batch, whole."""
+    spec, sh, state = cut.spec, placed.shardings[c], placed.abstract[c]
+    e_shape = (spec.eval_batch_size, *(spec.image_shape if c == 0 else placed.act_shapes[c - 1].shape[1:]))
+    e_sds = jax.ShapeDtypeStruct(e_shape, cut.pixels if c == 0 else cut.act_dtype, sharding=e_sh)
+    e_out = (spec.eval_batch_size, *placed.act_shapes[c].shape[1:])
+    return jax.jit(
+        lambda p, st, x: fns.apply(c, p, st, x, False, None)[0], out_shardings=cut.on(cut.meshes[c], e_out)
+    ).lower(with_shardings(state.params, sh.params), with_shardings(state.stats, sh.stats), e_sds)
 
-    # --- per-stage programs -----------------------------------------------------------
-    def apply(s, params, stats, x, train, key):
-        model = nnx.merge(graphdefs[s], params, stats, copy=True)
-        x = unit_pixels(x) if s == 0 else x
-        with activation_layout(DP, meshes[s]):
-            y = model(x, train=train, rngs=nnx.Rngs(dropout=key) if train else None)
-        return y.astype(act_dtype), nnx.state(model, nnx.Not(nnx.Param))
 
-    # The global batch arrives split over `data` in contiguous rows, so micro-batch i would
-    # sit on one device. Once per step it is regrouped as [M, micro, ...] with each
-    # micro-batch split over `data` (one all-to-all), so that taking micro-batch i is local.
-    micro_spec = lambda n: P(None, ax.DATA, *([None] * n)) if ax.DATA in first.shape else P()  # noqa: E731
-    grouped_images = NamedSharding(first, micro_spec(3))
-    grouped_labels = NamedSharding(last, micro_spec(0))
+def _lower_shared(cut: PipelineCut, fns: ChunkFunctions, batch: _BatchShardings, rep_last) -> dict[str, Any]:
+    """The step's regrouping of its batch, and the evaluation's loss on the last stage."""
+    spec, m, micro = cut.spec, cut.microbatches, cut.micro
+    shared = {
+        "group_images": jax.jit(lambda x: x.reshape(m, micro, *spec.image_shape), out_shardings=batch.grouped_images)
+        .lower(jax.ShapeDtypeStruct((spec.batch_size, *spec.image_shape), cut.pixels, sharding=batch.images)),
+        "group_labels": jax.jit(lambda y: y.reshape(m, micro), out_shardings=batch.grouped_labels)
+        .lower(jax.ShapeDtypeStruct((spec.batch_size,), jnp.int32, sharding=batch.labels)),
+    }  # fmt: skip
+    if spec.with_eval:
+        eval_size, classes = spec.eval_batch_size, cut.model_config.num_classes
+        logits_sds = jax.ShapeDtypeStruct(
+            (eval_size, classes), cut.act_dtype, sharding=cut.on(cut.meshes[-1], (eval_size, classes))
+        )
+        vec, fvec = _eval_vectors(cut, batch)
+        shared["tail"] = jax.jit(fns.eval_loss, out_shardings=(rep_last,) * 3).lower(logits_sds, vec, fvec)
+    return shared
 
-    def micro_input(s, x, mb):
-        """Stage 0 receives the grouped global batch and takes micro-batch `mb` itself."""
-        return jax.lax.dynamic_index_in_dim(x, mb, keepdims=False) if s == 0 else x
 
-    def forward(s, params, stats, x, mb, key):
-        y, stats = apply(s, params, stats, micro_input(s, x, mb), True, jax.random.fold_in(key, mb))
-        return y, stats
+def _eval_vectors(cut: PipelineCut, batch: _BatchShardings):
+    """An evaluation batch's labels and mask, on the last stage."""
+    size = cut.spec.eval_batch_size
+    return (jax.ShapeDtypeStruct((size,), jnp.int32, sharding=batch.labels),
+            jax.ShapeDtypeStruct((size,), jnp.float32, sharding=batch.labels))  # fmt: skip
 
-    def backward(s, params, stats, x, mb, key, dy, acc):
-        xin = micro_input(s, x, mb)
 
-        def f(p, xi):
-            return apply(s, p, stats, xi, True, jax.random.fold_in(key, mb))[0]
+@dataclass
+class _Compiled:
+    chunks: list[dict[str, Any]]  # per chunk: program name -> compiled
+    shared: dict[str, Any]
+    compilation: Compilation
+    step_options: dict
+    lower_seconds: float = 0.0
 
-        if s == 0:  # no gradient for the images
-            _, vjp = jax.vjp(lambda p: f(p, xin), params)
-            (dp,) = vjp(dy)
-            return jax.tree.map(jnp.add, acc, dp), None
-        _, vjp = jax.vjp(f, params, xin)
-        dp, dx = vjp(dy)
-        return jax.tree.map(jnp.add, acc, dp), dx
 
-    def last_backward(params, stats, x, labels, mb, key, acc, totals):
-        s = chunks - 1
-        xin, y = micro_input(s, x, mb), jax.lax.dynamic_index_in_dim(labels, mb, keepdims=False)
-
-        def loss_fn(p, xi):
-            logits, new_stats = apply(s, p, stats, xi, True, jax.random.fold_in(key, mb))
-            return cross_entropy(logits, y).mean() / m, (logits, new_stats)
-
-        wrt = (0, 1) if s > 0 else (0,)  # a single stage's input is the images: no gradient for them
-        (loss, (logits, new_stats)), grads = jax.value_and_grad(loss_fn, argnums=wrt, has_aux=True)(params, xin)
-        correct = jnp.sum(jnp.argmax(logits, -1) == y)
-        dp, dx = grads if s > 0 else (grads[0], None)
-        totals = (totals[0] + loss, totals[1] + correct)
-        return jax.tree.map(jnp.add, acc, dp), (dx if s > 0 else None), new_stats, totals
-
-    def update(params, opt_state, grads):
-        return apply_optimizer(tx, grads, opt_state, params)
-
-    def update_last(params, opt_state, grads, totals):
-        params, opt_state = apply_optimizer(tx, grads, opt_state, params)
-        return params, opt_state, {"loss": totals[0], "accuracy": totals[1] / batch_size}
-
-    def zeros(s):
-        """The gradient accumulator (on the last chunk with the loss and correct totals)."""
-        acc = jax.tree.map(jnp.zeros_like, stages[s].params)
-        return (acc, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))) if s == chunks - 1 else acc
-
-    def step_key(rng, step):
-        """This step's dropout key (every layout's: fold_in(rng, step)) and the next step."""
-        return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), step)), step + 1
-
-    programs, lowered = [], {}
-    key_sds = lambda s: jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep[s])  # noqa: E731
-    mb_sds = lambda s: jax.ShapeDtypeStruct((), jnp.int32, sharding=rep[s])  # noqa: E731
-    for s, sub in enumerate(meshes):
-        sh = shardings[s]
-        params_sds, stats_sds = with_shardings(stages[s].params, sh.params), with_shardings(stages[s].stats, sh.stats)
-        in_shape = (m, micro, *image_shape) if s == 0 else act_shapes[s - 1].shape
-        x_sh = grouped_images if s == 0 else on(sub, in_shape)
-        x_sds = jax.ShapeDtypeStruct(in_shape, pixels if s == 0 else act_dtype, sharding=x_sh)
-        y_sh = on(sub, act_shapes[s].shape)
-        dy_sds = jax.ShapeDtypeStruct(act_shapes[s].shape, act_dtype, sharding=y_sh)
-        prog = {}
-        if s < chunks - 1:
-            prog["forward"] = (
-                jax.jit(lambda p, st, x, mb, k, s=s: forward(s, p, st, x, mb, jax.random.wrap_key_data(k)),
-                        out_shardings=(y_sh, sh.stats))
-                .lower(params_sds, stats_sds, x_sds, mb_sds(s), key_sds(s))
-            )  # fmt: skip
-            prog["backward"] = (
-                jax.jit(lambda p, st, x, mb, k, dy, acc, s=s: backward(s, p, st, x, mb, jax.random.wrap_key_data(k), dy, acc),
-                        out_shardings=(sh.params, x_sh if s > 0 else None), donate_argnums=(6,))
-                .lower(params_sds, stats_sds, x_sds, mb_sds(s), key_sds(s), dy_sds, params_sds)
-            )  # fmt: skip
-        else:
-            labels_sds = jax.ShapeDtypeStruct((m, micro), jnp.int32, sharding=grouped_labels)
-            totals_sds = (
-                jax.ShapeDtypeStruct((), jnp.float32, sharding=rep[s]),
-                jax.ShapeDtypeStruct((), jnp.int32, sharding=rep[s]),
-            )
-            prog["last"] = (
-                jax.jit(lambda p, st, x, y, mb, k, acc, t: last_backward(p, st, x, y, mb, jax.random.wrap_key_data(k), acc, t),
-                        out_shardings=(sh.params, x_sh if s > 0 else None, sh.stats, (rep[s], rep[s])), donate_argnums=(6,))
-                .lower(params_sds, stats_sds, x_sds, labels_sds, mb_sds(s), key_sds(s), params_sds, totals_sds)
-            )  # fmt: skip
-        opt_sds = with_shardings(stages[s].opt_state, sh.opt_state)
-        if s < chunks - 1:
-            prog["update"] = jax.jit(update, out_shardings=(sh.params, sh.opt_state), donate_argnums=(0, 1)).lower(
-                params_sds, opt_sds, params_sds
-            )
-            prog["zeros"] = jax.jit(lambda s=s: zeros(s), out_shardings=sh.params).lower()
-        else:
-            prog["update"] = jax.jit(
-                update_last, out_shardings=(sh.params, sh.opt_state, rep[s]), donate_argnums=(0, 1)
-            ).lower(params_sds, opt_sds, params_sds, totals_sds)
-            prog["zeros"] = jax.jit(lambda s=s: zeros(s), out_shardings=(sh.params, (rep[s], rep[s]))).lower()
-        if s == 0:
-            step_sds = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep[0])
-            prog["step_key"] = jax.jit(step_key, out_shardings=(rep[0], rep[0])).lower(key_sds(0), step_sds)
-        if with_eval:
-            e_shape = (eval_batch_size, *image_shape) if s == 0 else (eval_batch_size, *act_shapes[s - 1].shape[1:])
-            e_sh = eval_image_sh if s == 0 else on(sub, e_shape)
-            e_sds = jax.ShapeDtypeStruct(e_shape, pixels if s == 0 else act_dtype, sharding=e_sh)
-            e_out = (eval_batch_size, *act_shapes[s].shape[1:])
-            prog["eval"] = jax.jit(
-                lambda p, st, x, s=s: apply(s, p, st, x, False, None)[0], out_shardings=on(sub, e_out)
-            ).lower(params_sds, stats_sds, e_sds)
-        prog["init"] = jax.jit(lambda s=s: init_stage(s), out_shardings=sh).lower()
-        lowered.update({(s, name): low for name, low in prog.items()})
-        programs.append({
-            "x_sharding": x_sh, "y_sharding": y_sh, "eval_x_sharding": e_sh if with_eval else None,
-            "x_bytes": act_bytes[s - 1] // data_ways if s > 0 else 0, "y_bytes": act_bytes[s] // data_ways,
-        })  # fmt: skip
-
-    def eval_loss(logits, labels, mask):
-        predictions = jnp.argmax(logits, -1)
-        return jnp.sum(cross_entropy(logits, labels) * mask), jnp.sum((predictions == labels) * mask), predictions
-
-    logits_sds = jax.ShapeDtypeStruct(
-        (eval_batch_size, model_config.num_classes),
-        act_dtype,
-        sharding=on(last, (eval_batch_size, model_config.num_classes)),
-    )
-    vec = jax.ShapeDtypeStruct((eval_batch_size,), jnp.int32, sharding=eval_vec_sh)
-    fvec = jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=eval_vec_sh)
-    lowered["group_images"] = jax.jit(lambda x: x.reshape(m, micro, *image_shape), out_shardings=grouped_images).lower(
-        jax.ShapeDtypeStruct((batch_size, *image_shape), pixels, sharding=image_sh)
-    )
-    lowered["group_labels"] = jax.jit(lambda y: y.reshape(m, micro), out_shardings=grouped_labels).lower(
-        jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sh)
-    )
-    if with_eval:
-        lowered["tail"] = jax.jit(eval_loss, out_shardings=(rep[-1], rep[-1], rep[-1])).lower(logits_sds, vec, fvec)
+def _compile(cut: PipelineCut, lowered: _Lowered) -> _Compiled:
+    """Every program compiled together (init with the platform's init options)."""
+    platform, spec = cut.platform, cut.spec
     init_options = platform_choices.init_compiler_options(platform)
-    options = {key: init_options for key in lowered if isinstance(key, tuple) and key[1] == "init"}
     step_options = (
         platform_choices.step_compiler_options(platform) if spec.compiler_options is None else spec.compiler_options
     )
     compilation = Compilation(platform)
-    for key, low in lowered.items():  # lowered as the stages were built: their time is in the build's total
-        compilation.add(key, low)
+    options = {}
+    for c, programs in enumerate(lowered.chunks):
+        for name, low in programs.items():
+            compilation.add((c, name), low)
+            if name == "init":
+                options[(c, name)] = init_options
+    for name, low in lowered.shared.items():
+        compilation.add(name, low)
     compiled = compilation.compile(options, default=step_options)
-    for (s, name), program in ((k, v) for k, v in compiled.items() if isinstance(k, tuple)):
-        programs[s][name] = program
-    eval_tail, group_images, group_labels = compiled.get("tail"), compiled["group_images"], compiled["group_labels"]
-    lower_seconds = time.perf_counter() - start - compilation.seconds  # building the stages and lowering
+    chunks = [{} for _ in lowered.chunks]
+    for key, program in compiled.items():
+        if isinstance(key, tuple):
+            chunks[key[0]][key[1]] = program
+    shared = {name: compiled[name] for name in lowered.shared}
+    return _Compiled(chunks, shared, compilation, step_options)
 
-    serial = platform == "cpu" and jax.process_count() > 1
-    runner = ScheduleRunner(programs, rep, m, seed, group_images, group_labels, eval_tail, timeline, serial)
+
+def _assemble(cut, placed, batch, boundaries, compiled: _Compiled, schedule: str, virtual_stages: int) -> Program:
+    """The Program: the schedule's runner over the compiled chunks, the state's forms, what
+    analysis reads (Anatomy), the run record's stage table and the printed description."""
+    spec, m, num_stages, chunks = cut.spec, cut.microbatches, cut.num_stages, cut.chunks
+    rep = replicated(cut)
+    programs = [ChunkPrograms(**compiled.chunks[c], **vars(boundaries[c])) for c in range(chunks)]
+    serial = cut.platform == "cpu" and jax.process_count() > 1
+    shared = compiled.shared
+    runner = ScheduleRunner(
+        programs, rep, m, spec.seed, shared["group_images"], shared["group_labels"], shared.get("tail"), cut.timeline,
+        serial,
+    )  # fmt: skip
     scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=rep[0])  # noqa: E731
     abstract_stages = PipelineState(
         scalar(jnp.int32),
         tuple(StageState(with_shardings(st.params, sh.params), with_shardings(st.stats, sh.stats),
-                         with_shardings(st.opt_state, sh.opt_state)) for st, sh in zip(stages, shardings, strict=True)),
+                         with_shardings(st.opt_state, sh.opt_state))
+              for st, sh in zip(placed.abstract, placed.shardings, strict=True)),
         scalar(jnp.uint32, (2,)),
     )  # fmt: skip
-    forms = StateForms.of(model_config, image_shape, groups)
+    forms = StateForms.of(cut.model_config, spec.image_shape, cut.groups)
+    data_ways, act_bytes = cut.data_ways, placed.act_bytes
     per_step = [
         [part for c in range(g, chunks, num_stages) for part in (
-            *(CompiledPart(name, programs[c][name], m, data_ways, False) for name in PER_MICROBATCH if name in programs[c]),
-            CompiledPart("update", programs[c]["update"], 1, data_ways))]
+            *(CompiledPart(name, programs[c][name], m, data_ways, False) for name in PER_MICROBATCH
+              if programs[c][name] is not None),
+            CompiledPart("update", programs[c].update, 1, data_ways))]
         for g in range(num_stages)
     ]  # fmt: skip
     per_stage = lambda per_chunk: [sum(per_chunk[g::num_stages]) for g in range(num_stages)]  # noqa: E731
+    vec, fvec = _eval_vectors(cut, batch)
     program = Program(
         spec=spec,
         init=runner.init,
         train_step=runner.train_step,
         eval_step=runner.eval_step,
         train_input=BatchPlacement(
-            images=jax.ShapeDtypeStruct((batch_size, *image_shape), pixels, sharding=image_sh),
-            labels=jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=label_sh),
+            images=jax.ShapeDtypeStruct((spec.batch_size, *spec.image_shape), cut.pixels, sharding=batch.images),
+            labels=jax.ShapeDtypeStruct((spec.batch_size,), jnp.int32, sharding=batch.labels),
         ),
         eval_input=BatchPlacement(
-            images=jax.ShapeDtypeStruct((eval_batch_size, *image_shape), pixels, sharding=eval_image_sh),
+            images=jax.ShapeDtypeStruct((spec.eval_batch_size, *spec.image_shape), cut.pixels, sharding=batch.images),
             labels=vec,
             mask=fvec,
         ),
         anatomy=Anatomy(
             stages=per_step,
-            placements=placements,
-            compute_placements=placements,
-            stage_param_bytes=per_stage(param_bytes),
-            stage_optimizer_bytes=per_stage(opt_bytes),
+            placements=placed.placements,
+            compute_placements=placed.placements,
+            stage_param_bytes=per_stage(placed.param_bytes),
+            stage_optimizer_bytes=per_stage(placed.opt_bytes),
             # per stage, what it sends a step from its chunks (activations forward, gradients back)
             boundary_bytes=per_stage([2 * m * b // data_ways for b in act_bytes[:-1]] + [0]),
             boundary_transfers=2 * m * virtual_stages if chunks > 1 else 0,
             # the schedule's own idle share: the formula's but for looped GPipe with M < S
-            bubble_fraction=timeline_bubble(timeline),
-            stage_held_bytes=held_in_flight(
-                timeline, [p["x_bytes"] for p in programs], [p["y_bytes"] for p in programs]
-            ),
+            bubble_fraction=timeline_bubble(cut.timeline),
+            stage_held_bytes=held_in_flight(cut.timeline, [p.x_bytes for p in programs], [p.y_bytes for p in programs]),
             microbatches=m,
-            layer_groups=groups,
+            layer_groups=cut.groups,
         ),
-        num_params=sum(math.prod(r.shape) for r in placements if not r.path.endswith(("mean", "var"))),
-        compile_seconds=compilation.seconds,
-        lower_seconds=lower_seconds,
-        compile_timings=compilation.timings,
+        num_params=sum(math.prod(r.shape) for r in placed.placements if not r.path.endswith(("mean", "var"))),
+        compile_seconds=compiled.compilation.seconds,
+        lower_seconds=compiled.lower_seconds,
+        compile_timings=compiled.compilation.timings,
         abstract_state=forms.whole(abstract_stages),
         saved_form=forms.whole,
         from_saved=lambda state: forms.stages(state, like=abstract_stages),
     )
     program.record = {
-        "stages": [list(g) for g in groups],  # per chunk (chunk c on stage c mod S)
+        "stages": [list(g) for g in cut.groups],  # per chunk (chunk c on stage c mod S)
         "microbatches": m,
         "pipeline_schedule": schedule,
         "virtual_stages": virtual_stages,
         "bubble_fraction": bubble_fraction(num_stages, m, virtual_stages),  # the formula's
         "timeline_bubble_fraction": program.anatomy.bubble_fraction,
-        "stage_param_bytes_per_device": param_bytes,
-        "stage_optimizer_bytes_per_device": opt_bytes,
+        "stage_param_bytes_per_device": placed.param_bytes,
+        "stage_optimizer_bytes_per_device": placed.opt_bytes,
         "bytes_between_stages_per_step": 2 * m * sum(act_bytes[:-1]),  # whole arrays, every boundary
-        "kernels": kernel_record(model_config, step_options),
+        "kernels": kernel_record(cut.model_config, compiled.step_options),
     }
-    program.description = describe(program, groups, m, schedule, virtual_stages)
+    program.description = describe(program, cut.groups, m, schedule, virtual_stages)
 
     def model_variables(state: PipelineState) -> ModelVariables:
         whole = forms.whole(state)
@@ -374,11 +347,6 @@ def build_pipeline_program(
 
 # The stage programs a training step runs once per micro-batch (update runs once).
 PER_MICROBATCH = ("forward", "backward", "last")
-
-
-def with_shardings(tree, shardings):
-    """ShapeDtypeStructs of an abstract tree, carrying their shardings."""
-    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree, shardings)
 
 
 def describe(program: Program, groups: list[range], microbatches: int, schedule: str, virtual: int) -> str:

@@ -160,19 +160,36 @@ def to_stage(x: jax.Array, target: NamedSharding) -> jax.Array:
 
 
 @dataclass
+class ChunkPrograms:
+    """Chunk c's compiled programs, and how its activations arrive (jaxcnn.pipeline.program
+    builds them). By name too (`programs["forward"]`), for tables of programs."""
+
+    init: Any  # () -> its StageState
+    zeros: Any  # () -> its gradient accumulator (on the last chunk with the loss totals)
+    update: Any  # (params, opt_state, grads[, totals]) -> new ones (on the last chunk also the step's metrics)
+    x_sharding: NamedSharding  # its input's (for chunk 0: the grouped images)
+    y_sharding: NamedSharding  # its output's, as the gradient sent back arrives
+    x_bytes: int  # a device's bytes of one micro-batch's input (0 for chunk 0: the batch is there)
+    y_bytes: int  # of one micro-batch's output gradient
+    forward: Any = None  # every chunk but the last
+    backward: Any = None
+    last: Any = None  # the last chunk: its forward, loss and backward in one
+    step_key: Any = None  # chunk 0: (rng, step) -> (this step's key data, step + 1)
+    eval: Any = None  # with evaluation
+    eval_x_sharding: NamedSharding | None = None
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+
+@dataclass
 class ScheduleRunner:
     """Runs one optimizer step (or an evaluation) through the chunks' compiled programs in
     the schedule's order (`timeline`, from `ticks`).
 
-    `programs[c]` holds chunk c's compiled "init", "zeros" (its gradient accumulator, on the
-    last chunk with the loss totals), "update" (on the last chunk also the step's metrics),
-    "eval" and either "forward" and "backward" or, on the last chunk, "last" (its forward,
-    loss and backward in one); chunk 0's also "step_key" ((rng, step) -> (this step's key
-    data, step + 1)); plus the shardings its inputs arrive in ("x_sharding", "y_sharding"
-    for the gradient sent back, "eval_x_sharding") and the bytes a device holds of one
-    micro-batch's input and output gradient ("x_bytes", "y_bytes")."""
+    `programs[c]`: chunk c's compiled programs (`ChunkPrograms`)."""
 
-    programs: list[dict]
+    programs: list[ChunkPrograms]
     replicated: list[NamedSharding]  # per chunk: its stage's devices, every array whole
     microbatches: int
     seed: int
@@ -206,17 +223,17 @@ class ScheduleRunner:
     def init(self) -> PipelineState:
         rep = self.replicated[0]
         rng = put_whole(jax.random.key_data(jax.random.key(self.seed + 1)), rep)
-        return PipelineState(put_whole(np.zeros((), np.int32), rep), tuple(p["init"]() for p in self.programs), rng)
+        return PipelineState(put_whole(np.zeros((), np.int32), rep), tuple(p.init() for p in self.programs), rng)
 
     def train_step(self, state: PipelineState, images, labels):
         programs, mbs, n, last = self.programs, self.indices, self.stages, self.chunks - 1
         images, labels = self._run(self.group_images, images), self._run(self.group_labels, labels)
-        step_key, step = self._run(programs[0]["step_key"], state.rng, state.step)
+        step_key, step = self._run(programs[0].step_key, state.rng, state.step)
         on_stage = [step_key] + [self._done(to_stage(step_key, self.replicated[g])) for g in range(1, n)]
         keys = [on_stage[c % n] for c in range(self.chunks)]
         stats = [st.stats for st in state.stages]
         params = [st.params for st in state.stages]
-        grads = [self._run(p["zeros"]) for p in programs]
+        grads = [self._run(p.zeros) for p in programs]
         grads[last], totals = grads[last]
         inputs = [{} for _ in range(self.chunks)]  # chunk c's input of micro-batch i, kept for its backward
         douts = [{} for _ in range(self.chunks)]  # the gradient chunk c's output of micro-batch i received
@@ -232,33 +249,33 @@ class ScheduleRunner:
                 if c == last:  # its forward runs inside its backward program
                     continue
                 x = images if c == 0 else inputs[c][i]
-                y, stats[c] = self._run(programs[c]["forward"], params[c], stats[c], x, mbs[c][i], keys[c])
-                inputs[c + 1][i] = self._done(to_stage(y, programs[c + 1]["x_sharding"]))
-                hold(c + 1, programs[c + 1]["x_bytes"])
+                y, stats[c] = self._run(programs[c].forward, params[c], stats[c], x, mbs[c][i], keys[c])
+                inputs[c + 1][i] = self._done(to_stage(y, programs[c + 1].x_sharding))
+                hold(c + 1, programs[c + 1].x_bytes)
                 continue
             x = images if c == 0 else inputs[c].pop(i)
             if c == last:
                 grads[c], dx, stats[c], totals = self._run(
-                    programs[c]["last"], params[c], stats[c], x, labels, mbs[c][i], keys[c], grads[c], totals
+                    programs[c].last, params[c], stats[c], x, labels, mbs[c][i], keys[c], grads[c], totals
                 )
             else:
                 grads[c], dx = self._run(
-                    programs[c]["backward"], params[c], stats[c], x, mbs[c][i], keys[c], douts[c].pop(i), grads[c]
+                    programs[c].backward, params[c], stats[c], x, mbs[c][i], keys[c], douts[c].pop(i), grads[c]
                 )
-                hold(c, -programs[c]["y_bytes"])
+                hold(c, -programs[c].y_bytes)
             if c > 0:
-                hold(c, -programs[c]["x_bytes"])
-                douts[c - 1][i] = self._done(to_stage(dx, programs[c - 1]["y_sharding"]))
-                hold(c - 1, programs[c - 1]["y_bytes"])
+                hold(c, -programs[c].x_bytes)
+                douts[c - 1][i] = self._done(to_stage(dx, programs[c - 1].y_sharding))
+                hold(c - 1, programs[c - 1].y_bytes)
         self.peak_held_bytes = peak
         new_stages, metrics = [], None
         for c, st in enumerate(state.stages):
             if c == last:
                 new_params, opt_state, metrics = self._run(
-                    programs[c]["update"], st.params, st.opt_state, grads[c], totals
+                    programs[c].update, st.params, st.opt_state, grads[c], totals
                 )
             else:
-                new_params, opt_state = self._run(programs[c]["update"], st.params, st.opt_state, grads[c])
+                new_params, opt_state = self._run(programs[c].update, st.params, st.opt_state, grads[c])
             new_stages.append(StageState(new_params, stats[c], opt_state))
         return PipelineState(step, tuple(new_stages), state.rng), metrics
 
@@ -266,6 +283,6 @@ class ScheduleRunner:
         x = images
         for c, st in enumerate(state.stages):
             if c > 0:
-                x = self._done(to_stage(x, self.programs[c]["eval_x_sharding"]))
-            x = self._run(self.programs[c]["eval"], st.params, st.stats, x)
+                x = self._done(to_stage(x, self.programs[c].eval_x_sharding))
+            x = self._run(self.programs[c].eval, st.params, st.stats, x)
         return self._run(self.eval_tail, x, labels, mask)
