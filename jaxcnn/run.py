@@ -135,7 +135,10 @@ def _train(config: RunConfig, launch: Launch, stop: StopRequests, started: float
             report_stop(config, run_dir, outcome, stop)
         else:  # the model and results replace a stop's state, now that both are written
             shutil.rmtree(run_dir / runs.CHECKPOINTS, ignore_errors=True)
-    elif outcome.interrupted:  # each process says where it stopped: the same step on every one
+    if not outcome.interrupted and stop.requested and lead:  # agreed after the last step boundary, or never
+        print(f"{PROG}: a stop ({stop.reason}) was asked, but the run reached its end before every process "
+              "agreed on a step; it finished", file=sys.stderr, flush=True)  # fmt: skip
+    elif outcome.interrupted and not lead:  # each process says where it stopped: the same step on every one
         print(f"{PROG}: process {jax.process_index()} stopped ({stop.reason}) at step {outcome.result.steps}",
               file=sys.stderr, flush=True)  # fmt: skip
     if outcome.interrupted:  # 75 tells a requeue the state is saved; with nothing saved, a plain failure

@@ -96,16 +96,20 @@ def assert_same_run(run: dict, reference: dict) -> None:
 
 
 def test_sigterm_to_one_of_two_processes_stops_both_and_the_run_continues_on_any_process_count(tmp_path, reference):
-    """SIGTERM to process 1 mid-epoch -> both stop at one step and save; the same command (as a
-    requeued job runs it) resumes, and --stop-signal USR1 to process 0 as it resumes stops both
-    again; one process then runs to the end (Orbax reshards the state onto its devices)."""
+    """SIGTERM to process 1 as training starts -> both stop at one step and save; the same
+    command (as a requeued job runs it) resumes, and --stop-signal USR1 to process 0 as it
+    resumes stops both again, mid-epoch; one process then runs to the end (Orbax reshards the
+    state onto its devices). The processes agree on a step through JAX's coordinator, which
+    took seconds on a loaded machine: the signals come with most of the run still ahead (a
+    USR1 sent 42 steps before the end once came too late, and that run finished)."""
     common = [*FLAGS, "--run-name", "r", "--resume", "auto", "--stop-signal", "USR1", "--results-dir", tmp_path]
     command = [LAUNCH, "--num-processes", "2", "--", *common]
     launcher = start(command)
-    out = signal_after(launcher, "[p0] epoch 1/2", lambda: os.kill(children(launcher.pid)[1], signal.SIGTERM))
+    out = signal_after(launcher, "[p0] jaxcnn train: training data on the devices",
+                       lambda: os.kill(children(launcher.pid)[1], signal.SIGTERM))  # fmt: skip
     assert launcher.returncode == 75, out[-3000:]
     steps = stopped_steps(out)
-    assert len(steps) == 2 and steps[0] == steps[1] and steps[0] % STEPS_PER_EPOCH, out[-3000:]  # mid-epoch
+    assert len(steps) == 2 and steps[0] == steps[1] and 0 < steps[0] < STEPS_PER_EPOCH, out[-3000:]
     stopped = record(tmp_path, "r")
     assert (stopped["interrupted_at_step"], stopped["stopped_by"]) == (steps[0], "SIGTERM")
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == [str(steps[0])]
@@ -114,6 +118,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_the_run_continues_on_any
     assert again.returncode == 75, out[-3000:]
     second = stopped_steps(out)
     assert len(second) == 2 and steps[0] < second[0] == second[1] < 2 * STEPS_PER_EPOCH, out[-3000:]
+    assert second[0] % STEPS_PER_EPOCH, out[-3000:]  # mid-epoch
     assert record(tmp_path, "r")["stopped_by"] == "SIGUSR1"  # process 0 was sent it; process 1 heard SIGTERM
     last = start([TRAIN, *common, "--host-devices", "4"])
     try:
@@ -176,16 +181,26 @@ def test_a_stop_during_after_or_before_a_periodic_save_never_hangs(tmp_path, ref
     assert all(row["seconds_to_exit"] < soak.STOP_LIMIT_S for row in rows[:3]), rows
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return bool(int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16) >> (signum - 1) & 1)
+
+
 def test_a_stop_signal_sent_while_the_process_starts_stops_it_at_its_first_step(tmp_path):
-    """--stop-signal USR1 sent half a second after the start, while Python imports JAX: kept
-    (jaxcnn.stopping.keep_early_stops), not the signal's default end of the process -- the run
-    stops at its first step, saves and exits 75. Seen on the SLURM test cluster before: a time
-    limit's USR1 that came while a loaded machine started the tasks killed both (exit 138)."""
+    """--stop-signal USR1 sent as soon as the process catches it -- its first act, before Python
+    imports JAX (jaxcnn.stopping.keep_early_stops) -- is kept for the first step, not the signal's
+    default end of the process: the run stops at step 1, saves and exits 75. Seen on the SLURM
+    test cluster before: a time limit's USR1 that came while a loaded machine started the tasks
+    killed both (exit 138)."""
     proc = start([TRAIN, *FLAGS, "--host-devices", "4", "--stop-signal", "USR1", "--results-dir", tmp_path,
                   "--run-name", "r", "--quiet"])  # fmt: skip
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGUSR1)
     try:
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while not catches(proc.pid, signal.SIGUSR1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "jax" not in Path(f"/proc/{proc.pid}/maps").read_text(), "JAX was loaded: not early"
+        proc.send_signal(signal.SIGUSR1)
         out = proc.communicate(timeout=RUN_LIMIT_S)[0]
     finally:
         kill_tree(proc)
