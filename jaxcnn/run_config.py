@@ -32,6 +32,18 @@ AUGMENTS = ("none", "imagenet")
 DATA_ON_DEVICE = ("auto", "on", "off")  # --augment: imagenet is jaxcnn.data.crops' recipe for image folders
 
 
+def check_input_options(workers: int | None, prefetch: int) -> None:
+    """--input-workers and --prefetch (DataConfig's, and a Loader's built without one)."""
+    if (workers is not None and workers < 0) or prefetch < 1:
+        raise UserError(f"--input-workers must be >= 0 and --prefetch >= 1, got {workers} and {prefetch}")
+
+
+def check_data_on_device(mode: str) -> None:
+    """--data-on-device (DataConfig's, and jaxcnn.data.on_device.choose's)."""
+    if mode not in DATA_ON_DEVICE:
+        raise UserError(f"--data-on-device {mode!r}: use one of {', '.join(DATA_ON_DEVICE)}")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where the images come from and how the input pipeline feeds them (jaxcnn.data)."""
@@ -54,18 +66,14 @@ class DataConfig:
     data_on_device: str = "auto"  # one of DATA_ON_DEVICE: the training set held on the devices (jaxcnn.data.on_device)
 
     def __post_init__(self):
-        if (self.input_workers is not None and self.input_workers < 0) or self.prefetch < 1:
-            raise UserError(
-                f"--input-workers must be >= 0 and --prefetch >= 1, got {self.input_workers} and {self.prefetch}"
-            )
+        check_input_options(self.input_workers, self.prefetch)
         if not 0.0 < self.val_split < 1.0:
             raise UserError(f"--val-split must be in (0, 1), got {self.val_split}")
         if self.channels < 1 or self.synthetic_size < 1:
             raise UserError("--channels and --synthetic-size must be positive integers")
         if self.augment_shift < 0:
             raise UserError(f"--augment-shift must be >= 0, got {self.augment_shift}")
-        if self.data_on_device not in DATA_ON_DEVICE:
-            raise UserError(f"--data-on-device {self.data_on_device!r}: use one of {', '.join(DATA_ON_DEVICE)}")
+        check_data_on_device(self.data_on_device)
         if self.augment not in AUGMENTS:
             raise UserError(f"unknown --augment {self.augment!r}; use one of {', '.join(AUGMENTS)}")
         if self.augment == "imagenet" and (self.augment_shift or self.augment_flip):

@@ -25,6 +25,7 @@ from absl import flags
 from jaxcnn.data.feed import Batches, Schedule
 from jaxcnn.data.sources import Dataset
 from jaxcnn.errors import UserError
+from jaxcnn.run_config import check_input_options
 from jaxcnn.sharding.placement import BatchPlacement, BatchShare
 
 
@@ -145,11 +146,6 @@ class EvalShare:
         (replicated) predictions."""
         kept = [p[: min(self.batch_size, self.size - b * self.batch_size)] for b, p in enumerate(per_batch)]
         return np.concatenate(kept) if kept else np.zeros(0, np.int32)
-
-
-def check_input_options(workers: int | None, depth: int) -> None:
-    if (workers is not None and workers < 0) or depth < 1:
-        raise UserError(f"--input-workers must be >= 0 and --prefetch >= 1, got {workers} and {depth}")
 
 
 class BuildBatch(grain.transforms.Map):

@@ -30,7 +30,7 @@ from jaxcnn.data.feed import CallMetrics, Schedule
 from jaxcnn.data.loader import Augment, epoch_order
 from jaxcnn.data.sources import FULL_SCALES, Dataset
 from jaxcnn.errors import UserError
-from jaxcnn.run_config import DATA_ON_DEVICE
+from jaxcnn.run_config import check_data_on_device
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import Layout
 from jaxcnn.sharding.partition import data_sharding
@@ -92,8 +92,7 @@ def device_memory_bytes(mesh: Mesh) -> float:
 
 def choose(mode: str, dataset: Dataset, layout: Layout, mesh: Mesh, augment, seed: int) -> tuple[OnDevice | None, str]:
     """(the on-device description, or None for the host loader; why), for --data-on-device."""
-    if mode not in DATA_ON_DEVICE:
-        raise UserError(f"--data-on-device {mode!r}: use one of {', '.join(DATA_ON_DEVICE)}")
+    check_data_on_device(mode)
     if mode == "off":
         return None, "off"
     refusal = None
