@@ -1,38 +1,15 @@
-"""PNG figures for the reports: layouts, scaling, remat, batch scaling, sync vs async, input
-bound, cost against size, pipeline schedules (memory, timelines); a run's curves and an
-evaluation's confusion matrix (matplotlib, Agg)."""
+"""The studies' figures: layouts compared, scaling, simulated meshes, remat, batch
+scaling, sync vs async, input bound, cost against size, the loop's overhead."""
 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import FormatStrFormatter
 
-from jaxcnn.results import FILE_MODE
-
-
-def _save(fig, path: Path) -> Path:
-    """Write atomically: a failed plot never leaves half a PNG where a good one was."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png.tmp")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+from jaxcnn.plots.figure import plt, save
 
 
 def compare_plot(rows: list[dict], path: Path, title: str) -> Path:
@@ -83,7 +60,7 @@ def compare_plot(rows: list[dict], path: Path, title: str) -> Path:
         ax.set_xticks(list(x), labels, fontsize=7)
     simulated = " -- simulated CPU devices share 2 cores" if rows and rows[-1].get("simulated_devices") else ""
     fig.suptitle(title + simulated, y=1.02)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def scaling_plot(rows: list[dict], path: Path, title: str, verdict: str = "") -> Path:
@@ -119,7 +96,7 @@ def scaling_plot(rows: list[dict], path: Path, title: str, verdict: str = "") ->
     fig.suptitle(title, y=1.04)
     if verdict:
         fig.text(0.5, -0.04, "verdict: " + verdict, ha="center", fontsize=10, weight="bold")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def simulate_plot(rows: list[dict], path: Path, title: str) -> Path:
@@ -150,7 +127,7 @@ def simulate_plot(rows: list[dict], path: Path, title: str) -> Path:
     axes[2].axhline(80, color="gray", linestyle=":")
     axes[2].set_ylim(0, 105)
     fig.suptitle(title, y=1.02)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def remat_plot(rows: list[dict], path: Path, title: str) -> Path:
@@ -170,7 +147,7 @@ def remat_plot(rows: list[dict], path: Path, title: str) -> Path:
         ax.set_xticks(list(x), labels, fontsize=8)
         ax.set_title(name)
     fig.suptitle(title, y=1.02)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def batch_scaling_plot(rows: list[dict], path: Path, title: str) -> Path:
@@ -188,7 +165,7 @@ def batch_scaling_plot(rows: list[dict], path: Path, title: str) -> Path:
     ax.set_ylabel("test accuracy (%)")
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def sync_plot(curves: dict[str, list[float]], rows: list[dict], path: Path, title: str) -> Path:
@@ -207,7 +184,7 @@ def sync_plot(curves: dict[str, list[float]], rows: list[dict], path: Path, titl
     axes[1].set_ylabel("MiB per device per step")
     axes[1].set_title("collective bytes per step (compiled HLO)")
     fig.suptitle(title, y=1.02)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def input_bound_plot(rows: list[dict], path: Path, title: str, threshold: float) -> Path:
@@ -231,45 +208,7 @@ def input_bound_plot(rows: list[dict], path: Path, title: str, threshold: float)
     right.set_ylabel("devices idle for input (% of training time)")
     right.legend()
     fig.suptitle(title, y=1.02)
-    return _save(fig, path)
-
-
-def curves_plot(loss_history: list[float], rows: list[dict], path: Path, title: str) -> Path:
-    """A run's training loss per step (and per epoch), and its accuracies per epoch."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    steps = np.arange(1, len(loss_history) + 1)
-    left.plot(steps, loss_history, color="0.7", lw=0.8, label="train loss (step)")
-    epochs_at = [r["step"] for r in rows]
-    left.plot(epochs_at, [r["train_loss"] for r in rows], "o-", label="train loss (epoch mean)")
-    if any(r.get("test_loss") is not None for r in rows):
-        left.plot(epochs_at, [r.get("test_loss") for r in rows], "s-", label="test loss")
-    left.set(xlabel="optimizer step", ylabel="cross-entropy", yscale="log")
-    left.legend()
-    right.plot([r["epoch"] for r in rows], [r["train_accuracy"] for r in rows], "o-", label="train")
-    if any(r.get("test_accuracy") is not None for r in rows):
-        right.plot([r["epoch"] for r in rows], [r.get("test_accuracy") for r in rows], "s-", label="test")
-    right.set(xlabel="epoch", ylabel="accuracy")
-    right.legend()
-    fig.suptitle(title)
-    return _save(fig, path)
-
-
-def confusion_plot(confusion: np.ndarray, classes: list[str], path: Path, title: str) -> Path:
-    """Rows: the true class, columns: the predicted one; each cell's count printed."""
-    size = max(4.0, 0.5 * len(classes) + 2)
-    fig, axes = plt.subplots(figsize=(size + 1, size))
-    image = axes.imshow(confusion, cmap="Blues")
-    axes.set(xticks=range(len(classes)), yticks=range(len(classes)), xlabel="predicted", ylabel="true", title=title)
-    axes.set_xticklabels(classes, rotation=45, ha="right")
-    axes.set_yticklabels(classes)
-    if len(classes) <= 30:
-        dark = confusion.max() / 2
-        for (i, j), count in np.ndenumerate(confusion):
-            axes.text(
-                j, i, str(count), ha="center", va="center", fontsize=7, color="white" if count > dark else "black"
-            )
-    fig.colorbar(image, ax=axes, shrink=0.8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def overhead_fit_text(t0: float, rate: float) -> str:
@@ -320,7 +259,7 @@ def cost_vs_size_plot(rows: list[dict], path: Path, title: str) -> Path:
             ax.set_title(f"{model}: {sweep} sweep at {fixed}\n{overhead_fit_text(t0, rate)}", fontsize=9)
             ax.legend(fontsize=7, loc="best")
     fig.suptitle(title + "  (orange: overhead-bound, blue: compute-bound)", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def loop_overhead_plot(rows: list[dict], path: Path) -> Path:
@@ -343,82 +282,4 @@ def loop_overhead_plot(rows: list[dict], path: Path) -> Path:
         ax.set_title(f"{case}, {data} ({mine[0]['devices']} device(s), batch {mine[0]['batch_size']})")
         ax.set_ylim(0, 1.3 * max(max(r["fit_ms_per_step"], r["bare_ms_per_step"]) for r in mine))  # room for the legend
         ax.legend(loc="upper right", fontsize=8)
-    return _save(fig, path)
-
-
-def pipeline_memory_plot(rows: list[dict], path: Path, title: str) -> Path:
-    """Per model (columns): against M, the most any stage holds in flight (micro-batch inputs
-    and output gradients), in micro-batches and in MiB, and the most memory a stage needs,
-    one line per schedule (experiments/pipeline_schedules.py's rows, one per stage)."""
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    schedules = list(dict.fromkeys(r["schedule"] for r in rows))
-    fig, axes = plt.subplots(3, len(models), figsize=(5.5 * len(models), 10), squeeze=False)
-    for col, model in enumerate(models):
-        mine = [r for r in rows if r["model"] == model]
-        ms = sorted({r["microbatches"] for r in mine})
-        for ax, key, name, scale in [
-            (axes[0][col], "held_microbatches", "held in flight, most of any stage (micro-batches)", 1),
-            (axes[1][col], "held_bytes", "held in flight, most of any stage (MiB)", 2**20),
-            (axes[2][col], "memory_bytes", "memory per stage, most of any stage (MiB)", 2**20),
-        ]:
-            for schedule, marker in zip(schedules, "osd^v", strict=False):
-                points = [max(r[key] for r in mine if r["schedule"] == schedule and r["microbatches"] == m) for m in ms]
-                ax.plot(ms, [p / scale for p in points], marker=marker, label=schedule)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ms, [str(m) for m in ms])
-            ax.set_ylim(bottom=0)
-            ax.set_xlabel("micro-batches M (micro-batch size fixed)")
-            ax.set_title(f"{model} {mine[0]['image_shape']}, S={mine[0]['stages']}\n{name}", fontsize=9)
-            ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def pipeline_timeline_plot(timelines: dict[str, list], path: Path, title: str) -> Path:
-    """Schedule figures as in the GPipe / PipeDream / Megatron papers: per schedule, stages as
-    rows and ticks as columns, each cell the action a stage runs (a forward light, a backward
-    dark, coloured by micro-batch; hatched: a stage's second and later chunk). With V chunks a
-    stage, a tick runs 1/V of the stage's layers and is drawn 1/V wide, so the schedules share
-    one time axis. `timelines`: name -> jaxcnn.pipeline.schedule.ticks' list of ticks (each a
-    list per stage of an Action or None)."""
-    from matplotlib.patches import Patch, Rectangle
-
-    def chunks_a_stage(timeline) -> int:
-        return 1 + max(a.chunk for tick in timeline for a in tick if a) // len(timeline[0])
-
-    longest = max(len(t) / chunks_a_stage(t) for t in timelines.values())
-    fig, axes = plt.subplots(
-        len(timelines), 1, figsize=(max(6.0, 0.6 * longest + 1.5), 1.4 + 0.45 * 4 * len(timelines))
-    )
-    axes = np.atleast_1d(axes)
-    colours = plt.get_cmap(
-        "tab20" if max(a.microbatch for t in timelines.values() for k in t for a in k if a) >= 10 else "tab10"
-    )
-    for ax, (name, timeline) in zip(axes, timelines.items(), strict=True):
-        stages, width = len(timeline[0]), 1 / chunks_a_stage(timeline)
-        for t, tick in enumerate(timeline):
-            for g, a in enumerate(tick):
-                if a is None:
-                    continue
-                colour = colours(a.microbatch % colours.N)
-                ax.add_patch(Rectangle(
-                    (t * width, g), width, 1, facecolor=colour, alpha=0.45 if a.kind == "F" else 1.0, edgecolor="white",
-                    hatch="///" if a.chunk >= stages else None,
-                ))  # fmt: skip
-                ax.text((t + 0.5) * width, g + 0.5, str(a.microbatch), ha="center", va="center", fontsize=6)
-        busy = sum(a is not None for tick in timeline for a in tick)
-        ax.set_xlim(0, longest)
-        ax.set_ylim(stages, 0)
-        ax.set_yticks([g + 0.5 for g in range(stages)], [f"stage {g}" for g in range(stages)], fontsize=8)
-        ax.set_xlabel("time, in ticks of a whole stage (a chunk's tick: 1/V of one)", fontsize=8)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.set_title(f"{name}: {len(timeline)} ticks, bubble {1 - busy / (len(timeline) * stages):.1%}", fontsize=9)
-    axes[0].legend(
-        handles=[Patch(facecolor="grey", alpha=0.45, label="forward"), Patch(facecolor="grey", label="backward"),
-                 Patch(facecolor="white", edgecolor="grey", hatch="///", label="later chunk (V > 1)")],
-        fontsize=7, loc="upper right", ncol=3, bbox_to_anchor=(1, 1.45),
-    )  # fmt: skip
-    fig.suptitle(f"{title}; cells: micro-batch index, a tick per action", fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
