@@ -26,7 +26,7 @@ START_S = 60  # daemons up and the node idle
 GPUS = 8
 # SLURM holds a requeued batch job for a step credential's lifetime (cred_expire, 120 s by
 # default) before it may start again on the node that revoked the old one's
-CREDENTIAL_S = 20
+CREDENTIAL_S = 10
 TIME_CHECK_S = 30  # slurmctld tests time limits (and sends --signal's warnings) every 30 s from its start
 
 
