@@ -262,6 +262,8 @@ class RunConfig:
                     flat[NAME_FLAGS[name] if key == "name" and name in NAME_FLAGS else key] = value
         else:  # an older run's flags, as parsed then
             flat = {("learning_rate" if key == "lr" else key): value for key, value in saved.items()}
+        if flat.get("steps_per_call") == "auto":  # saved before `auto` went (K steps a call give one step's numbers)
+            flat["steps_per_call"] = 1
         return cls.from_flags({key: _tuples(value) for key, value in flat.items()})
 
 

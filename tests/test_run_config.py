@@ -102,3 +102,11 @@ def test_a_part_refuses_its_own_bad_field():
 def test_from_flags_takes_a_namespace_or_a_mapping():
     flags = {"model": "resnet_tiny", "layout": "fsdp", "epochs": 3}
     assert RunConfig.from_flags(argparse.Namespace(**flags)) == RunConfig.from_flags(flags)
+
+
+def test_a_config_saved_with_steps_per_call_auto_resumes_with_one_step_a_call():
+    """Runs saved before `--steps-per-call auto` went hold "auto" in config.json: `--resume`
+    reads it back as 1 (the same numbers as any K), not as a bad flag."""
+    saved = RunConfig().to_json()
+    saved["train"]["steps_per_call"] = "auto"
+    assert RunConfig.from_json(saved).train.steps_per_call == 1
