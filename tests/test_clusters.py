@@ -123,13 +123,15 @@ class Watch:
         return fields
 
 
-def assert_finished_like_one_process(watch: Watch, reference: list, restarts: int) -> dict:
+def assert_finished_like_one_process(watch: Watch, reference: list, restarts: int, peer_killed: bool = False) -> dict:
     """The job ended COMPLETED after `restarts` requeues, with every step's loss of the
-    uninterrupted run and only whole checkpoints left; its run record."""
+    uninterrupted run and only whole checkpoints left; its run record. No traceback, unless a
+    peer was killed: the survivor's collective then fails (gloo: connection closed by peer)."""
     fields = watch.end()
     log = watch.log
     assert (fields["JobState"], fields["Restarts"], fields["ExitCode"]) == ("COMPLETED", str(restarts), "0:0"), log
-    assert "Traceback" not in log and "FAILED_PRECONDITION" not in log, log
+    assert peer_killed or "Traceback" not in log, log
+    assert "FAILED_PRECONDITION" not in log, log
     record = json.loads((watch.where / "runs" / RUN / f"{RUN}.json").read_text())
     np.testing.assert_allclose(record["loss_history"], reference, rtol=1e-5)
     saved = sorted((watch.where / "checkpoints" / RUN).iterdir())
@@ -218,7 +220,7 @@ def test_a_killed_task_restarts_from_the_last_checkpoint(cluster, reference, tmp
     saved = where / "checkpoints" / RUN
     watch.until("a periodic checkpoint", lambda _: saved.is_dir() and any(p.name == "40" for p in saved.iterdir()))
     os.kill(task_pid(watch.job, 1), signal.SIGKILL)
-    assert_finished_like_one_process(watch, reference, restarts=0)
+    assert_finished_like_one_process(watch, reference, restarts=0, peer_killed=True)
     log = watch.log
     assert "srun-restarting.sh: a task failed" in log and "restart 1 of 3" in log, log
     resumed = [int(step) for step in re.findall(r"resuming from step (\d+)", log)]
