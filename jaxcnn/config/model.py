@@ -1,19 +1,14 @@
-"""Frozen run configuration, validated where it is built, and the model presets."""
+"""The model a run trains: the families' presets (the VGG-like CNN, the ResNets, ConvNeXt,
+MobileNetV2) and ModelConfig, frozen and validated where it is built."""
 
 from __future__ import annotations
 
-import itertools
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from jaxcnn.errors import UserError
 
 DEFAULT_MODEL = "cnn2d_3layer_fullconnected_3layer"
-# The bundled digits, found from the package so that the defaults work from any directory.
-BUNDLED_TRAIN, BUNDLED_TEST = (
-    Path(__file__).resolve().parents[1] / "data" / name for name in ("train.csv", "test.csv")
-)
 MODEL_NAME = re.compile(r"cnn2d_(\d)layer_fullconnected_(\d)layer")
 MAX_CONV_BLOCKS, MAX_DENSE_LAYERS = 6, 4
 
@@ -84,10 +79,6 @@ DTYPES = ("float32", "bfloat16")
 # (jaxcnn.platform_choices; "auto": the platform's choice, made when the program is built).
 CONV1X1_KERNELS = ("auto", "dot", "conv")
 MAX_POOL_KERNELS = ("auto", "select", "window")
-# the named layouts (jaxcnn.sharding.layouts.LAYOUTS, which a test holds to this), for flag
-# parsing that must not import the sharding package (it starts JAX)
-LAYOUT_NAMES = ("single", "dp", "fsdp", "tp", "hybrid", "spatial", "pipeline")
-DIVERGENCE_FACTOR = 10.0  # a training loss above this many times step 1's counts as diverged (fit warns)
 
 
 @dataclass(frozen=True)
@@ -186,14 +177,7 @@ class ModelConfig:
             raise UserError(
                 f"model {self.name} has {len(stages)} stages but --conv-features gives {len(widths)} widths"
             )
-        if self.dense_features or self.dropout:
-            raise UserError(
-                f"{self.name} ends in global average pooling and one classifier: drop --dense-features and --dropout"
-            )
-        if self.stem not in STEMS:
-            raise UserError(f"unknown --stem {self.stem!r}; use one of {', '.join(STEMS)}")
-        if self.max_pool != "auto":
-            raise UserError(f"--max-pool is for the CNN family's 2x2 pools; drop it for {self.name}")
+        self._check_no_cnn_options()
         if min(widths) < 1:
             raise UserError("layer widths must be positive integers")
         object.__setattr__(self, "conv_features", tuple(widths))
@@ -258,196 +242,3 @@ class ModelConfig:
                 raise UserError(f"unknown --{flag} {value!r}; use one of {', '.join(known)}")
         if self.num_classes < 2:
             raise UserError(f"--num-classes must be at least 2, got {self.num_classes}")
-
-
-OPTIMIZERS = ("adam", "adamw", "sgd")
-SCHEDULES = ("constant", "cosine")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    name: str = "adam"
-    learning_rate: float = 2e-3
-    schedule: str = "cosine"
-    warmup_steps: int = 20
-    weight_decay: float = 1e-4  # adamw only
-    momentum: float = 0.9  # sgd only
-    warmup_from: float = 0.0  # learning rate the warmup starts at (linear scaling: the base rate)
-
-    def __post_init__(self):
-        if self.name not in OPTIMIZERS:
-            raise UserError(f"unknown --optimizer {self.name!r}; use one of {', '.join(OPTIMIZERS)}")
-        if self.schedule not in SCHEDULES:
-            raise UserError(f"unknown --schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
-        if not self.learning_rate > 0:
-            raise UserError(f"--learning-rate must be positive, got {self.learning_rate}")
-        if self.warmup_steps < 0:
-            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if self.weight_decay < 0 or not 0 <= self.momentum < 1:
-            raise UserError("--weight-decay must be >= 0 and --momentum in [0, 1)")
-
-
-SYNC_MODES = ("allreduce", "local-sgd")
-
-
-@dataclass(frozen=True)
-class UpdateConfig:
-    """How gradients become updates: what the compiled train step does beyond one
-    forward/backward on the global batch (jaxcnn.steps)."""
-
-    grad_accum: int = 1  # micro-batches per optimizer step, gradients summed (lax.scan)
-    sync: str = "allreduce"  # "local-sgd": replicas step alone, parameters averaged every `sync_every`
-    sync_every: int = 1
-    staleness: int = 0  # gradients taken on the parameters of this many steps ago
-    skip_nonfinite: bool = False  # a step whose loss or new parameters are not finite changes nothing
-
-    def __post_init__(self):
-        if self.grad_accum < 1:
-            raise UserError(f"--grad-accum must be a positive integer, got {self.grad_accum}")
-        if self.sync not in SYNC_MODES:
-            raise UserError(f"unknown --sync {self.sync!r}; use one of {', '.join(SYNC_MODES)}")
-        if self.sync_every < 1:
-            raise UserError(f"--sync-every must be a positive integer, got {self.sync_every}")
-        if self.sync_every > 1 and self.sync != "local-sgd":
-            raise UserError("--sync-every applies to --sync local-sgd; add it or drop --sync-every")
-        if self.staleness < 0:
-            raise UserError(f"--staleness must be >= 0, got {self.staleness}")
-        if self.staleness and self.sync != "allreduce":
-            raise UserError("--staleness models an asynchronous parameter server; use it with --sync allreduce")
-
-    @property
-    def local(self) -> bool:
-        return self.sync == "local-sgd"
-
-
-LR_SCALINGS = ("none", "linear")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    batch_size: int = 64  # global, per optimizer step
-    epochs: int = 30
-    max_steps: int | None = None  # stop early after this many optimizer steps
-    seed: int = 0
-    eval_batch_size: int | None = None  # default: batch_size
-    # (first epoch, global batch) pairs, from epoch 0: the batch grows during training and
-    # the learning rate with it (jaxcnn.optim.optim_for_batch). Overrides batch_size.
-    batch_schedule: tuple[tuple[int, int], ...] = ()
-    lr_scaling: str = "none"  # "linear": lr x batch / base_batch, warmup from lr (Goyal et al. 2017)
-    base_batch: int | None = None  # the batch the base learning rate was tuned for
-    auto_batch: str | None = None  # "2GiB": the largest batch whose compiled step fits this per device
-    steps_per_call: int = 1  # optimizer steps per compiled call (docs/performance-and-gpu.md: when K > 1 pays)
-
-    def __post_init__(self):
-        if not isinstance(self.steps_per_call, int) or self.steps_per_call < 1:
-            raise UserError(f"--steps-per-call must be a positive integer, got {self.steps_per_call!r}")
-        if self.batch_schedule:
-            epochs = [e for e, _ in self.batch_schedule]
-            if epochs[0] != 0 or any(b <= a for a, b in itertools.pairwise(epochs)):
-                raise UserError("--batch-schedule must start at epoch 0 with increasing epochs, e.g. 0:64,10:128")
-            if min(b for _, b in self.batch_schedule) < 1:
-                raise UserError("--batch-schedule batches must be positive integers")
-            object.__setattr__(self, "batch_size", self.batch_schedule[0][1])
-        if self.lr_scaling not in LR_SCALINGS:
-            raise UserError(f"unknown --lr-scaling {self.lr_scaling!r}; use one of {', '.join(LR_SCALINGS)}")
-        if self.lr_scaling == "linear" and not self.base_batch:
-            raise UserError("--lr-scaling linear needs --base-batch B0: the batch size --lr was tuned for")
-        if self.base_batch is not None and self.base_batch < 1:
-            raise UserError(f"--base-batch must be a positive integer, got {self.base_batch}")
-        if self.auto_batch is not None:
-            parse_bytes(self.auto_batch)
-            if self.batch_schedule:
-                raise UserError("--auto-batch picks one batch size; drop it or --batch-schedule")
-        if self.batch_size < 1:
-            raise UserError(f"--batch-size must be a positive integer, got {self.batch_size}")
-        if self.epochs < 1:
-            raise UserError(f"--epochs must be a positive integer, got {self.epochs}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise UserError(f"--max-steps must be a positive integer, got {self.max_steps}")
-
-    def batch_for_epoch(self, epoch: int) -> int:
-        return max(((e, b) for e, b in self.batch_schedule if e <= epoch), default=(0, self.batch_size))[1]
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        """Every global batch the run uses, in order (one compiled program each)."""
-        return tuple(dict.fromkeys(b for _, b in self.batch_schedule)) or (self.batch_size,)
-
-    @property
-    def auto_batch_bytes(self) -> float | None:
-        return parse_bytes(self.auto_batch) if self.auto_batch else None
-
-
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # jaxcnn.pipeline.schedule
-
-
-def check_layout_options(
-    pipeline: bool,
-    update: UpdateConfig,
-    microbatches: int | None,
-    stage_split: tuple[int, ...] | None,
-    schedule: str = "gpipe",
-    virtual_stages: int = 1,
-) -> None:
-    """The options that apply to the pipeline only, or to every layout but it."""
-    if schedule not in PIPELINE_SCHEDULES:
-        raise UserError(f"unknown --pipeline-schedule {schedule!r}; use one of {', '.join(PIPELINE_SCHEDULES)}")
-    if virtual_stages < 1:
-        raise UserError(f"--virtual-stages must be a positive integer, got {virtual_stages}")
-    if pipeline and update != UpdateConfig():
-        raise UserError(
-            "--grad-accum, --sync, --staleness and --skip-nonfinite do not apply to --layout pipeline "
-            "(its micro-batches already accumulate: use --microbatches)"
-        )
-    if not pipeline and (microbatches or stage_split or schedule != "gpipe" or virtual_stages != 1):
-        raise UserError(
-            "--microbatches, --stage-split, --pipeline-schedule and --virtual-stages apply to --layout pipeline only"
-        )
-
-
-def epoch_steps(train_size: int, config: TrainConfig) -> list[int]:
-    """Optimizer steps in each epoch that runs (a batch schedule changes them; `max_steps` cuts them)."""
-    steps, left = [], config.max_steps
-    for epoch in range(config.epochs):
-        batch = config.batch_for_epoch(epoch)
-        per_epoch = train_size // batch
-        if per_epoch == 0:
-            raise UserError(
-                f"--batch-size {batch} is larger than the {train_size} training images; use a smaller batch"
-            )
-        if left is not None:
-            per_epoch = min(per_epoch, left)
-            left -= per_epoch
-        if per_epoch == 0:
-            break
-        steps.append(per_epoch)
-    return steps
-
-
-def total_steps(train_size: int, config: TrainConfig) -> int:
-    return sum(epoch_steps(train_size, config))
-
-
-def parse_bytes(text: str) -> float:
-    """'16GiB', '512MiB', '80GB', '1e9' -> bytes."""
-    units = {
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "tib": 2**40,
-        "kb": 1e3,
-        "mb": 1e6,
-        "gb": 1e9,
-        "tb": 1e12,
-        "b": 1,
-    }
-    clean = text.strip().lower().replace(" ", "")
-    unit = next((u for u in units if clean.endswith(u)), None)
-    number, factor = (clean[: -len(unit)], units[unit]) if unit else (clean, 1)
-    try:
-        value = float(number) * factor
-    except ValueError:
-        raise UserError(f"cannot read {text!r} as a size; write e.g. 16GiB, 512MiB or 80GB") from None
-    if value <= 0:
-        raise UserError(f"a memory budget must be positive, got {text!r}")
-    return value
