@@ -155,6 +155,7 @@ class CheckpointConfig:
     # continue the run (its directory's saved state, or --checkpoint-dir's newest); RESUME_AUTO: when there is one
     resume: bool | str = False
     stop_signal: str | None = None  # a signal that stops and saves like SIGTERM (e.g. USR1, for SLURM's --signal)
+    init_from: str | None = None  # a safetensors file the fresh state starts from (jaxcnn.pretrained); resume wins
 
     def __post_init__(self):
         if self.resume not in (False, True, RESUME_AUTO):

@@ -257,6 +257,15 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=defaults_o.weight_decay, help="adamw only")
     g.add_argument("--momentum", type=float, default=defaults_o.momentum, help="sgd only")
     g.add_argument(
+        "--freeze", metavar="PARTS", default=defaults_o.freeze, type=lambda text: tuple(text.split(",")),
+        help="parameters that do not move: 'backbone' (all but the head) or parts, e.g. stem,stage1 "
+        "(docs/pretrained-and-export.md names each model's parts)",
+    )  # fmt: skip
+    g.add_argument(
+        "--backbone-lr", type=float, metavar="LR",
+        help="peak learning rate of every part but the head (default: --learning-rate), same schedule",
+    )  # fmt: skip
+    g.add_argument(
         "--grad-accum",
         type=int,
         default=defaults_u.grad_accum,
@@ -336,6 +345,11 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="continue the run --run-name names from the state a stop saved in its directory (or from the newest "
         "good checkpoint in --checkpoint-dir), with its flags as the defaults; '--resume auto': continue when there "
         "is a saved state, else start (a requeued job reruns its own command line)",
+    )  # fmt: skip
+    g.add_argument(
+        "--init-from", metavar="FILE",
+        help="start from the weights in this safetensors file, in torchvision's, timm's or jaxcnn's names "
+        "(docs/pretrained-and-export.md); a resumed run continues its checkpoint instead",
     )  # fmt: skip
     g.add_argument(
         "--stop-signal", metavar="NAME", choices=STOP_SIGNALS,

@@ -26,8 +26,19 @@ class OptimConfig:
     weight_decay: float = 1e-4  # adamw only
     momentum: float = 0.9  # sgd only
     warmup_from: float = 0.0  # learning rate the warmup starts at (linear scaling: the base rate)
+    # fine-tuning (jaxcnn.models.model_parts names the parts): parts whose parameters do not move,
+    # "backbone" for all but the head; and the learning rate of every part but the head (None: --learning-rate)
+    freeze: tuple[str, ...] = ()
+    backbone_lr: float | None = None
 
     def __post_init__(self):
+        if isinstance(self.freeze, str):  # the flag's "stem,stage1"
+            object.__setattr__(self, "freeze", tuple(p.strip() for p in self.freeze.split(",") if p.strip()))
+        object.__setattr__(self, "freeze", tuple(self.freeze))
+        if self.backbone_lr is not None and not self.backbone_lr >= 0:
+            raise UserError(f"--backbone-lr must be >= 0, got {self.backbone_lr}")
+        if "backbone" in self.freeze and (len(self.freeze) > 1 or self.backbone_lr is not None):
+            raise UserError("--freeze backbone freezes every part but the head: give it alone, without --backbone-lr")
         if self.name not in OPTIMIZERS:
             raise UserError(f"unknown --optimizer {self.name!r}; use one of {', '.join(OPTIMIZERS)}")
         if self.schedule not in SCHEDULES:
