@@ -1,7 +1,8 @@
 """Regenerate the golden sharding tables: `python tests/make_golden.py`.
 
 One JSON per layout and model under tests/golden/: the default model on the bundled 8x8
-digits (<layout>.json) and resnet18 on 32x32x3 images (resnet18_<layout>.json), under the
+digits (<layout>.json), and resnet18, convnext_atto and mobilenet_v2 on 32x32x3 images
+(resnet18_<layout>.json, convnext_atto_<layout>.json, mobilenet_v2_<layout>.json), under the
 layout's default mesh for 8 devices, parameter path -> logical names, shape,
 PartitionSpec and bytes per device. tests/test_golden_shardings.py checks the code still
 places every tensor that way; after an intended change, rerun this and review the diff.
@@ -27,7 +28,10 @@ DEVICES = 8
 # the pipeline places whole layers on stages, not tensors by rules: tests/test_pipeline.py
 GOLDEN_LAYOUTS = [name for name, layout in LAYOUTS.items() if layout.stage_axis is None]
 # file prefix -> (model, image shape)
-GOLDEN_MODELS = {"": (ModelConfig(), (8, 8, 1)), "resnet18_": (ModelConfig(name="resnet18"), (32, 32, 3))}
+GOLDEN_MODELS = {
+    "": (ModelConfig(), (8, 8, 1)),
+    **{f"{name}_": (ModelConfig(name=name), (32, 32, 3)) for name in ("resnet18", "convnext_atto", "mobilenet_v2")},
+}
 
 
 def golden_path(name: str, prefix: str = "") -> Path:

@@ -1,6 +1,7 @@
-"""Each layout places the default model's tensors exactly as its golden table says.
+"""Each layout places each golden model's tensors exactly as its golden table says: the
+default CNN, resnet18, convnext_atto and mobilenet_v2 (tests/make_golden.py).
 
-The tables are tests/golden/<layout>.json; regenerate them with `python tests/make_golden.py`
+The tables are tests/golden/<model_><layout>.json; regenerate them with `python tests/make_golden.py`
 after an intended change and review the diff.
 """
 
@@ -10,7 +11,7 @@ import pytest
 from make_golden import GOLDEN, GOLDEN_LAYOUTS, GOLDEN_MODELS, golden_for, golden_path
 
 
-@pytest.mark.parametrize("prefix", GOLDEN_MODELS, ids=["cnn", "resnet18"])
+@pytest.mark.parametrize("prefix", GOLDEN_MODELS, ids=[prefix.rstrip("_") or "cnn" for prefix in GOLDEN_MODELS])
 @pytest.mark.parametrize("name", GOLDEN_LAYOUTS)
 def test_placements_match_the_golden_table(name, prefix):
     path = golden_path(name, prefix)
@@ -36,3 +37,22 @@ def test_resnet_golden_tables_split_each_block_as_a_column_row_pair():
     assert "model" not in specs["tp"]["stem/conv/kernel"]["spec"] + specs["tp"]["head/fc/kernel"]["spec"]
     assert specs["fsdp"][f"{block}/conv2/kernel"]["spec"] == "(-, -, -, data)"
     assert specs["spatial"][f"{block}/conv2/kernel"]["spec"] == specs["dp"][f"{block}/conv2/kernel"]["spec"]
+
+
+def test_depthwise_golden_tables_split_a_depthwise_kernel_only_with_the_channels_it_acts_on():
+    """ConvNeXt's depthwise conv acts on the residual stream (`conv_in`): whole under tp, its
+    MLP a column -> row pair. MobileNetV2's acts on the expanded channels (`conv_out`): under
+    tp its kernel splits along them, between the expand (column) and project (row) convs."""
+    convnext = {name: json.loads(golden_path(name, "convnext_atto_").read_text())["parameters"] for name in GOLDEN_LAYOUTS}
+    block = "blocks/3"  # stage 2's first block (blocks/2 is its downsample), 80 channels
+    assert convnext["tp"][f"{block}/dwconv/kernel"]["logical"] == ["kh", "kw", "group_in", "conv_in"]
+    assert convnext["tp"][f"{block}/dwconv/kernel"]["spec"] == "(-, -, -, -)"
+    assert convnext["tp"][f"{block}/pwconv1/kernel"]["spec"] == "(-, model)"
+    assert convnext["tp"][f"{block}/pwconv2/kernel"]["spec"] == "(model, -)"
+    mobilenet = {name: json.loads(golden_path(name, "mobilenet_v2_").read_text())["parameters"] for name in GOLDEN_LAYOUTS}
+    block = "blocks/2"  # stage 2's second block: 24 -> 144 -> 24 channels
+    assert mobilenet["tp"][f"{block}/depthwise/conv/kernel"]["spec"] == "(-, -, -, model)"
+    assert mobilenet["tp"][f"{block}/expand/conv/kernel"]["spec"] == "(-, -, -, model)"
+    assert mobilenet["tp"][f"{block}/project/conv/kernel"]["spec"] == "(-, -, model, -)"
+    for layout in ("dp", "spatial"):
+        assert mobilenet[layout][f"{block}/depthwise/conv/kernel"]["spec"] == "(-, -, -, -)"
