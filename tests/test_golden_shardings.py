@@ -39,17 +39,21 @@ def test_resnet_golden_tables_split_each_block_as_a_column_row_pair():
     assert specs["spatial"][f"{block}/conv2/kernel"]["spec"] == specs["dp"][f"{block}/conv2/kernel"]["spec"]
 
 
+def tables(prefix: str) -> dict:
+    return {name: json.loads(golden_path(name, prefix).read_text())["parameters"] for name in GOLDEN_LAYOUTS}
+
+
 def test_depthwise_golden_tables_split_a_depthwise_kernel_only_with_the_channels_it_acts_on():
     """ConvNeXt's depthwise conv acts on the residual stream (`conv_in`): whole under tp, its
     MLP a column -> row pair. MobileNetV2's acts on the expanded channels (`conv_out`): under
     tp its kernel splits along them, between the expand (column) and project (row) convs."""
-    convnext = {name: json.loads(golden_path(name, "convnext_atto_").read_text())["parameters"] for name in GOLDEN_LAYOUTS}
+    convnext = tables("convnext_atto_")
     block = "blocks/3"  # stage 2's first block (blocks/2 is its downsample), 80 channels
     assert convnext["tp"][f"{block}/dwconv/kernel"]["logical"] == ["kh", "kw", "group_in", "conv_in"]
     assert convnext["tp"][f"{block}/dwconv/kernel"]["spec"] == "(-, -, -, -)"
     assert convnext["tp"][f"{block}/pwconv1/kernel"]["spec"] == "(-, model)"
     assert convnext["tp"][f"{block}/pwconv2/kernel"]["spec"] == "(model, -)"
-    mobilenet = {name: json.loads(golden_path(name, "mobilenet_v2_").read_text())["parameters"] for name in GOLDEN_LAYOUTS}
+    mobilenet = tables("mobilenet_v2_")
     block = "blocks/2"  # stage 2's second block: 24 -> 144 -> 24 channels
     assert mobilenet["tp"][f"{block}/depthwise/conv/kernel"]["spec"] == "(-, -, -, model)"
     assert mobilenet["tp"][f"{block}/expand/conv/kernel"]["spec"] == "(-, -, -, model)"
