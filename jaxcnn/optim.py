@@ -7,13 +7,16 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcnn.config import OptimConfig, TrainConfig, epoch_steps
+from jaxcnn.config import ModelConfig, OptimConfig, TrainConfig, epoch_steps
+from jaxcnn.errors import UserError
+from jaxcnn.models.model_parts import BACKBONE, HEAD, part_names, part_of
 
 
 def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -37,7 +40,53 @@ def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(
+    config: OptimConfig, total_steps: int, model: ModelConfig | None = None
+) -> optax.GradientTransformation:
+    """The optimizer; with --freeze or --backbone-lr, its updates then scaled per part of the
+    `model` (jaxcnn.models.model_parts), each parameter's part read from its path."""
+    tx = _optimizer(config, total_steps)
+    if not config.freeze and config.backbone_lr is None:
+        return tx
+    if not isinstance(model, ModelConfig):
+        raise UserError("--freeze and --backbone-lr name the parts of jaxcnn's model families, not your own model's")
+    parts = part_names(model)
+    unknown = [p for p in config.freeze if p not in (BACKBONE, *parts)]
+    if unknown:
+        raise UserError(f"--freeze {unknown[0]!r}: {model.name}'s parts are {', '.join(parts)} (or 'backbone')")
+    return optax.chain(tx, _scale_by_part(config, part_of(model)))
+
+
+def _scale_by_part(config: OptimConfig, part_of_path: Callable[[str], str]) -> optax.GradientTransformation:
+    """The final updates scaled per part: 0 where frozen (no step, no weight decay), the
+    --backbone-lr / --learning-rate ratio on the backbone. The updates of sgd, adam and adamw
+    are the learning rate times a direction, so the ratio gives the backbone the same
+    schedule peaking at --backbone-lr, and the optimizer state keeps its one structure
+    (optax.multi_transform's masked states would not: optax.tree_map_params, which places
+    the optimizer state like the parameters, cannot see through them)."""
+    ratio = 1.0 if config.backbone_lr is None else config.backbone_lr / config.learning_rate
+
+    def factor(part: str) -> float:
+        if part in config.freeze or (BACKBONE in config.freeze and part != HEAD):
+            return 0.0
+        return 1.0 if part == HEAD else ratio
+
+    def scale(path, update):
+        f = factor(part_of_path(_path(path)))
+        return update if f == 1.0 else (jnp.zeros_like(update) if f == 0.0 else update * jnp.asarray(f, update.dtype))
+
+    def update_fn(updates, state, params=None):
+        return jax.tree_util.tree_map_with_path(scale, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _path(path) -> str:
+    """A key path to an array of an nnx.State (through its Variable's `value`) -> "blocks/0/conv1/kernel"."""
+    return "/".join(str(k.key if hasattr(k, "key") else k.idx) for k in path if not hasattr(k, "name"))
+
+
+def _optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     schedule = make_schedule(config, total_steps)
     if config.name == "adam":
         return optax.adam(schedule)

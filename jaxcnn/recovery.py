@@ -23,6 +23,7 @@ from jaxcnn.checkpoint import Checkpointer
 from jaxcnn.errors import UserError
 from jaxcnn.fit import FitResult, Interrupted, fit
 from jaxcnn.optim import learning_rates
+from jaxcnn.pretrained import load_pretrained, read_plan
 from jaxcnn.resume import Resume
 from jaxcnn.run_config import RESUME_AUTO, CheckpointConfig, RunConfig
 from jaxcnn.stopping import StopRequests
@@ -80,18 +81,33 @@ def open_checkpoints(config: CheckpointConfig, run_dir: Path) -> Checkpointer | 
     return checkpointer
 
 
-def start_state(program, checkpointer, resume: bool):
-    """A fresh state, or (--resume) the newest good checkpoint restored into this program's
-    shardings -- which may be another layout's or mesh's than it was saved under. An empty
-    --checkpoint-dir starts from step 0."""
+def fresh_state(program, init_from: str | None):
+    """The program's initial state, or (--init-from) that with the file's weights in it."""
+    state = program.init()
+    if not init_from:
+        return state
+    plan = read_plan(program.spec.model_config, program.spec.image_shape, init_from)
+    if jax.process_index() == 0:
+        for note in plan.notes:  # a re-initialised classifier
+            print(f"{PROG}: {note}")
+        print(f"{PROG}: starting from {init_from} ({len(plan.keys) - len(plan.head_reinit)} tensors, "
+              f"{plan.scheme} names)")  # fmt: skip
+    return load_pretrained(program, state, plan)
+
+
+def start_state(program, checkpointer, resume: bool, init_from: str | None = None):
+    """A fresh state (from --init-from's file, if given), or (--resume) the newest good
+    checkpoint restored into this program's shardings -- which may be another layout's or
+    mesh's than it was saved under: a resumed run never reads --init-from's file again.
+    An empty --checkpoint-dir starts from step 0."""
     if checkpointer is None or not resume:
-        return program.init(), None
+        return fresh_state(program, init_from), None
     restored = checkpointer.restore_latest(program.abstract_state)
     if restored is None and checkpointer.every is None:  # the run directory's: only a Ctrl-C saves there
         raise UserError(f"nothing to resume in {checkpointer.directory.parent}: its saved state is unreadable")
     if restored is None:
         warnings.warn(f"no checkpoint in {checkpointer.directory} yet; starting from step 0", stacklevel=2)
-        return program.init(), None
+        return fresh_state(program, init_from), None
     if jax.process_index() == 0:
         print(f"{PROG}: resuming from step {restored.step} ({checkpointer.directory})")
     return program.from_saved(restored.state), Resume.from_record(restored.record)
@@ -125,7 +141,7 @@ def fit_in_run_dir(
                 f"nothing to resume in {run_dir}: no state was saved there (a stop saves one; a run that failed "
                 "saves none); train it again with --overwrite, or pass --resume auto"
             )
-        state, resume = start_state(program, source, resume_flag)
+        state, resume = start_state(program, source, resume_flag, config.checkpoint.init_from)
         if resume is not None:
             resume.check_continues(len(loader), train_config)
         # the run directory is made (or replaces the old one, with --overwrite) once nothing is left to refuse

@@ -28,6 +28,7 @@ from jaxcnn.data import Augment, Loader, load_datasets
 from jaxcnn.data.crops import RandomResizedCrop
 from jaxcnn.data.on_device import choose, placed
 from jaxcnn.distributed import Launch, initialize, launch_from
+from jaxcnn.pretrained import read_plan
 from jaxcnn.recovery import PROG, fit_in_run_dir, open_checkpoints, report_stop, resolve_resume
 from jaxcnn.requeue import requeue_slurm_job
 from jaxcnn.run_config import RESUME_AUTO, RunConfig
@@ -67,6 +68,8 @@ def _train(config: RunConfig, launch: Launch, stop: StopRequests, started: float
     simulate_devices_for(config.parallel, launch.num_processes, config.cluster.local_devices)
     initialize(launch)  # jax.distributed, before any device is touched
     stop.join()
+    if config.checkpoint.init_from and not config.checkpoint.resume:  # its names and shapes, before anything slow
+        read_plan(config.model, train_set.image_shape, config.checkpoint.init_from)
     lead = jax.process_index() == 0
     if launch.launcher != "single" or launch.local_devices:  # every process: each chose its own devices
         print(f"{PROG}: {launch.describe()}", flush=True)

@@ -65,7 +65,7 @@ def build_spmd_program(spec: ProgramSpec) -> Program:
     batch_size, eval_batch_size = spec.batch_size, spec.eval_batch_size
     platform = mesh.devices.flat[0].platform
     model_config = resolve_kernels(spec.model_config, platform)
-    tx = make_optimizer(spec.optim_config, spec.total_steps)
+    tx = make_optimizer(spec.optim_config, spec.total_steps, model_config)
     rule = update_rule(update, layout, mesh)
     replicas = rule.groups if update.local else 0
 

@@ -34,7 +34,7 @@ LAYERS = [
         "jaxcnn.runs",
     ),
     ("jaxcnn.optim", "jaxcnn.models"),
-    ("jaxcnn.program", "jaxcnn.saved_model"),
+    ("jaxcnn.program", "jaxcnn.saved_model", "jaxcnn.pretrained"),
     ("jaxcnn.steps",),
     ("jaxcnn.fit",),
     ("jaxcnn.pipeline",),

@@ -1,5 +1,6 @@
-"""torchvision's state_dict keys for ConvNeXt and MobileNetV2, mapped onto jaxcnn's modules,
-so that torchvision's weights load as they are:
+"""torchvision's state_dict keys for the ResNets, ConvNeXt and MobileNetV2 (and timm's for
+ConvNeXt, whose names differ; timm's ResNets use torchvision's), mapped onto jaxcnn's modules,
+so that their weights load as they are (jaxcnn.pretrained reads them from safetensors files):
 
     state = {k: v.numpy() for k, v in torchvision.models.convnext_tiny(weights=...).state_dict().items()}
     load_torchvision(model, ModelConfig(name="convnext_tiny", num_classes=1000), (224, 224, 3), state)
@@ -17,7 +18,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 from flax import nnx
 
-from jaxcnn.config import CONVNEXTS, ModelConfig
+from jaxcnn.config import CONVNEXTS, RESNETS, ModelConfig
 from jaxcnn.errors import UserError
 from jaxcnn.models.mobilenet import mobilenet_widths
 
@@ -52,6 +53,52 @@ def _batch_norm(torch_prefix: str, path: str) -> Iterator[tuple[str, str, str]]:
     yield f"{torch_prefix}.running_var", f"{path}/var", "vector"
 
 
+def _batch_norm_only(config: ModelConfig) -> None:
+    if config.norm != "batch":
+        raise UserError(f"torchvision's {config.name} uses batch norm; its weights need --norm batch")
+
+
+def _resnet_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
+    _batch_norm_only(config)
+    yield from _conv("conv1", "stem/conv", bias=False)
+    yield from _batch_norm("bn1", "stem/norm")
+    block, stages = RESNETS[config.name]
+    unit = 0
+    for stage, blocks in enumerate(stages):
+        for b in range(blocks):
+            torch_block, at = f"layer{stage + 1}.{b}", f"blocks/{unit}"
+            for i in range(1, (2 if block == "basic" else 3) + 1):
+                yield from _conv(f"{torch_block}.conv{i}", f"{at}/conv{i}", bias=False)
+                yield from _batch_norm(f"{torch_block}.bn{i}", f"{at}/norm{i}")
+            if b == 0 and (stage > 0 or block != "basic"):  # where jaxcnn and torchvision project the shortcut
+                yield from _conv(f"{torch_block}.downsample.0", f"{at}/shortcut/conv", bias=False)
+                yield from _batch_norm(f"{torch_block}.downsample.1", f"{at}/shortcut/norm")
+            unit += 1
+    yield from _linear("fc", "head/fc")
+
+
+def _timm_convnext_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
+    """timm's names for the same ConvNeXt (its layer scale `gamma` is (C,), its MLP Linear)."""
+    yield from _conv("stem.0", "stem/conv", bias=True)
+    yield from _layer_norm("stem.1", "stem/norm")
+    unit = 0
+    for stage, depth in enumerate(CONVNEXTS[config.name][0]):
+        if stage > 0:
+            yield from _layer_norm(f"stages.{stage}.downsample.0", f"blocks/{unit}/norm")
+            yield from _conv(f"stages.{stage}.downsample.1", f"blocks/{unit}/conv", bias=True)
+            unit += 1
+        for i in range(depth):
+            timm_block, at = f"stages.{stage}.blocks.{i}", f"blocks/{unit}"
+            yield from _conv(f"{timm_block}.conv_dw", f"{at}/dwconv", bias=True)
+            yield from _layer_norm(f"{timm_block}.norm", f"{at}/norm")
+            yield from _linear(f"{timm_block}.mlp.fc1", f"{at}/pwconv1")
+            yield from _linear(f"{timm_block}.mlp.fc2", f"{at}/pwconv2")
+            yield f"{timm_block}.gamma", f"{at}/layer_scale", "vector"
+            unit += 1
+    yield from _layer_norm("head.norm", "head/norm")
+    yield from _linear("head.fc", "head/fc")
+
+
 def _convnext_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
     yield from _conv("features.0.0", "stem/conv", bias=True)
     yield from _layer_norm("features.0.1", "stem/norm")
@@ -74,8 +121,7 @@ def _convnext_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
 
 
 def _mobilenet_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
-    if config.norm != "batch":
-        raise UserError(f"torchvision's {config.name} uses batch norm; its weights need --norm batch")
+    _batch_norm_only(config)
     yield from _conv("features.0.0", "stem/conv", bias=False)
     yield from _batch_norm("features.0.1", "stem/norm")
     _, blocks, _ = mobilenet_widths(config)
@@ -96,12 +142,28 @@ def _mobilenet_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
     yield from _linear("classifier.1", "head/fc")
 
 
+# family -> {naming scheme: its keys}; timm names ResNets as torchvision does
+SCHEMES = {
+    "resnet": {"torchvision": _resnet_keys},
+    "convnext": {"torchvision": _convnext_keys, "timm": _timm_convnext_keys},
+    "mobilenet": {"torchvision": _mobilenet_keys},
+}
+
+
+def name_schemes(config: ModelConfig) -> dict[str, dict[str, tuple[str, str]]]:
+    """{scheme: {key: (the parameter's path in the NNX state, its TRANSFORMS entry)}} for
+    the model's family ({} for the CNN family, which has no torchvision twin)."""
+    return {
+        scheme: {key: (path, how) for key, path, how in keys(config)}
+        for scheme, keys in SCHEMES.get(config.family, {}).items()
+    }
+
+
 def torchvision_keys(config: ModelConfig) -> dict[str, tuple[str, str]]:
     """torchvision key -> (the parameter's path in the NNX state, its TRANSFORMS entry)."""
-    families = {"convnext": _convnext_keys, "mobilenet": _mobilenet_keys}
-    if config.family not in families:
-        raise UserError(f"torchvision names are mapped for ConvNeXt and MobileNetV2, not {config.name}")
-    return {key: (path, how) for key, path, how in families[config.family](config)}
+    if config.family not in SCHEMES:
+        raise UserError(f"torchvision names are mapped for the ResNets, ConvNeXt and MobileNetV2, not {config.name}")
+    return name_schemes(config)["torchvision"]
 
 
 def torch_shape(how: str, shape: tuple[int, ...]) -> tuple[int, ...]:
