@@ -270,9 +270,9 @@ def test_torchvision_random_weights_give_jaxcnn_the_same_logits(tmp_path, name, 
     plan = read_plan(config, image_shape, tmp_path / f"{name}.safetensors")
     state = load_pretrained(WholeState, fresh(config, image_shape), plan)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: initialised(config, image_shape, seed=1)))
-    model = nnx.merge(graphdef, state.params, state.model_state)
     images = np.random.default_rng(0).random((4, *image_shape), np.float32)
-    ours = np.asarray(jax.jit(lambda x: model(x, train=False))(images))
+    forward = jax.jit(lambda params, stats, x: nnx.merge(graphdef, params, stats)(x, train=False))  # weights as inputs
+    ours = np.asarray(forward(state.params, state.model_state, images))
     with torch.no_grad():
         theirs = reference(torch.from_numpy(images.transpose(0, 3, 1, 2))).numpy()
     diff = np.abs(ours - theirs)
@@ -282,3 +282,17 @@ def test_torchvision_random_weights_give_jaxcnn_the_same_logits(tmp_path, name, 
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
     back = written_back(state, config, "torchvision", tmp_path / "back.safetensors")
     assert all(np.array_equal(back[k], state_dict[k]) for k in back)
+
+
+def test_a_pipeline_loads_each_stage_s_arrays_on_its_own_devices(tmp_path):
+    config, image_shape = CNN, (8, 8, 1)
+    tensors = write_file(tmp_path / "f.safetensors", config, image_shape, "jaxcnn")
+    program = compiled_program(get_layout("pipeline"), {"data": 2, "stage": 2}, config, steps=4,
+                               image_shape=image_shape)  # fmt: skip
+    fresh_state = program.init()
+    where = [leaf.sharding for leaf in jax.tree.leaves(fresh_state)]
+    state = load_pretrained(program, fresh_state, read_plan(config, image_shape, tmp_path / "f.safetensors"))
+    assert [leaf.sharding for leaf in jax.tree.leaves(state)] == where  # each array where the stage holds it
+    whole = program.saved_form(state)
+    loaded = {**flat_variables(whole.params), **flat_variables(whole.model_state)}
+    assert all(np.array_equal(loaded[key.replace(".", "/")], value) for key, value in tensors.items())
