@@ -257,7 +257,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=defaults_o.weight_decay, help="adamw only")
     g.add_argument("--momentum", type=float, default=defaults_o.momentum, help="sgd only")
     g.add_argument(
-        "--freeze", metavar="PARTS", default=defaults_o.freeze, type=lambda text: tuple(text.split(",")),
+        "--freeze", metavar="PARTS", default=defaults_o.freeze, type=lambda text: tuple(p for p in text.split(",") if p),
         help="parameters that do not move: 'backbone' (all but the head) or parts, e.g. stem,stage1 "
         "(docs/pretrained-and-export.md names each model's parts)",
     )  # fmt: skip

@@ -35,8 +35,8 @@ class OptimConfig:
         if isinstance(self.freeze, str):  # the flag's "stem,stage1"
             object.__setattr__(self, "freeze", tuple(p.strip() for p in self.freeze.split(",") if p.strip()))
         object.__setattr__(self, "freeze", tuple(self.freeze))
-        if self.backbone_lr is not None and not self.backbone_lr >= 0:
-            raise UserError(f"--backbone-lr must be >= 0, got {self.backbone_lr}")
+        if self.backbone_lr is not None and not self.backbone_lr > 0:
+            raise UserError(f"--backbone-lr must be positive, got {self.backbone_lr} (--freeze backbone stops it)")
         if "backbone" in self.freeze and (len(self.freeze) > 1 or self.backbone_lr is not None):
             raise UserError("--freeze backbone freezes every part but the head: give it alone, without --backbone-lr")
         if self.name not in OPTIMIZERS:
