@@ -5,6 +5,7 @@ back in those names.
     plan = read_plan(model_config, image_shape, "resnet18.safetensors")   # checks names and shapes
     state, said = load_pretrained(program, program.init(), plan)          # each shard where it lives
     save_pretrained("out.safetensors", program.model_variables(state), model_config)
+    save_run_weights("runs/my-run", "my-run.safetensors")                 # a finished run's model
 
 Names: torchvision's state_dict keys for the ResNets, ConvNeXt and MobileNetV2, timm's for
 ConvNeXt (jaxcnn.models.torchvision_names), and for every family (the CNN family has no
@@ -34,11 +35,14 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxcnn import runs
 from jaxcnn.config import ModelConfig
 from jaxcnn.errors import UserError
 from jaxcnn.models import CustomModel, build_model, layer_shapes
 from jaxcnn.models.torchvision_names import SKIPPED, TRANSFORMS, name_schemes, torch_shape
-from jaxcnn.saved_model import ModelVariables, path_key
+from jaxcnn.saved_model import ModelVariables, flat_variables, model_template, path_key, restore_model
+from jaxcnn.sharding import build_mesh
+from jaxcnn.sharding.layouts import SINGLE
 
 JAXCNN_SCHEME = "jaxcnn"
 FLAG = "--init-from"
@@ -201,3 +205,15 @@ def save_pretrained(
         )
     save_file(out, str(file))
     return Path(file)
+
+
+def save_run_weights(run_dir: str | Path, file: str | Path, scheme: str = "torchvision") -> Path:
+    """A finished run's model (its directory's `model/`) written by `save_pretrained`: the
+    weights a later run's --init-from reads (e.g. frozen-backbone training, then all layers)."""
+    run = runs.open_run(run_dir)
+    image_shape = tuple(run.record["image_shape"])
+    mesh = build_mesh({"data": 1})
+    params, stats = restore_model(run.model_dir, model_template(run.config.model, image_shape, SINGLE, mesh))
+    return save_pretrained(
+        file, ModelVariables(flat_variables(params), flat_variables(stats)), run.config.model, scheme
+    )

@@ -24,7 +24,7 @@ from jaxcnn.fit import fit
 from jaxcnn.models.model_parts import part_of
 from jaxcnn.models.torchvision_names import torch_shape
 from jaxcnn.optim import make_optimizer
-from jaxcnn.pretrained import load_pretrained, model_shapes, read_plan, save_pretrained, schemes
+from jaxcnn.pretrained import load_pretrained, model_shapes, read_plan, save_pretrained, save_run_weights, schemes
 from jaxcnn.saved_model import ModelVariables, flat_variables
 from jaxcnn.sharding import build_mesh, get_layout
 from jaxcnn.sharding.partition import place_variables
@@ -233,6 +233,12 @@ def test_a_resumed_run_continues_its_checkpoint_without_the_file(tmp_path, capsy
     saved = json.loads((tmp_path / "full" / "config.json").read_text())
     assert saved["checkpoint"]["init_from"] == str(tmp_path / "f.safetensors")
     assert saved["optim"]["freeze"] == ["stage1"]
+    # the finished run's weights, written back: its frozen part (parameters, not batch statistics) as the file had it
+    kept = save_run_weights(tmp_path / "full", tmp_path / "full.safetensors", "jaxcnn")
+    after, before = load_file(str(kept)), load_file(str(tmp_path / "f.safetensors"))
+    frozen = [k for k in before if k.startswith("blocks.0.") and not k.endswith(("mean", "var"))]
+    assert frozen and all(np.array_equal(after[k], before[k]) for k in frozen)
+    assert not np.array_equal(after["blocks.1.conv.kernel"], before["blocks.1.conv.kernel"])
     subprocess.run(["cp", "-r", str(tmp_path / "a"), str(tmp_path / "b")], check=True)
     subprocess.run(["rm", "-rf", str(tmp_path / "b" / "4")], check=True)
     (tmp_path / "f.safetensors").unlink()  # a resumed run must not need it
