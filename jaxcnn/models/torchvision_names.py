@@ -13,7 +13,8 @@ weight is (O, I), Flax's (I, O); ConvNeXt's layer scale is (C, 1, 1), here (C,).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 import numpy as np
 from flax import nnx
@@ -77,47 +78,50 @@ def _resnet_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
     yield from _linear("fc", "head/fc")
 
 
-def _timm_convnext_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
-    """timm's names for the same ConvNeXt (its layer scale `gamma` is (C,), its MLP Linear)."""
-    yield from _conv("stem.0", "stem/conv", bias=True)
-    yield from _layer_norm("stem.1", "stem/norm")
-    unit = 0
-    for stage, depth in enumerate(CONVNEXTS[config.name][0]):
-        if stage > 0:
-            yield from _layer_norm(f"stages.{stage}.downsample.0", f"blocks/{unit}/norm")
-            yield from _conv(f"stages.{stage}.downsample.1", f"blocks/{unit}/conv", bias=True)
-            unit += 1
-        for i in range(depth):
-            timm_block, at = f"stages.{stage}.blocks.{i}", f"blocks/{unit}"
-            yield from _conv(f"{timm_block}.conv_dw", f"{at}/dwconv", bias=True)
-            yield from _layer_norm(f"{timm_block}.norm", f"{at}/norm")
-            yield from _linear(f"{timm_block}.mlp.fc1", f"{at}/pwconv1")
-            yield from _linear(f"{timm_block}.mlp.fc2", f"{at}/pwconv2")
-            yield f"{timm_block}.gamma", f"{at}/layer_scale", "vector"
-            unit += 1
-    yield from _layer_norm("head.norm", "head/norm")
-    yield from _linear("head.fc", "head/fc")
+class ConvNeXtNames(NamedTuple):
+    """Where a ConvNeXt's parts sit in one library's state_dict."""
+
+    stem: tuple[str, str]  # conv, norm
+    downsample: Callable[[int], tuple[str, str]]  # stage -> norm, conv
+    block: Callable[[int, int], str]  # (stage, block) -> its prefix
+    parts: tuple[str, str, str, str, str]  # in a block: dwconv, norm, pwconv1, pwconv2, layer scale
+    layer_scale: str  # TRANSFORMS entry: torchvision's is (C, 1, 1), timm's `gamma` (C,)
+    head: tuple[str, str]  # norm, classifier
 
 
-def _convnext_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
-    yield from _conv("features.0.0", "stem/conv", bias=True)
-    yield from _layer_norm("features.0.1", "stem/norm")
+TORCHVISION_CONVNEXT = ConvNeXtNames(
+    ("features.0.0", "features.0.1"), lambda s: (f"features.{2 * s}.0", f"features.{2 * s}.1"),
+    lambda s, i: f"features.{2 * s + 1}.{i}", ("block.0", "block.2", "block.3", "block.5", "layer_scale"),
+    "layer_scale", ("classifier.0", "classifier.2"),
+)  # fmt: skip
+TIMM_CONVNEXT = ConvNeXtNames(
+    ("stem.0", "stem.1"), lambda s: (f"stages.{s}.downsample.0", f"stages.{s}.downsample.1"),
+    lambda s, i: f"stages.{s}.blocks.{i}", ("conv_dw", "norm", "mlp.fc1", "mlp.fc2", "gamma"), "vector",
+    ("head.norm", "head.fc"),
+)  # fmt: skip
+
+
+def _convnext_keys(config: ModelConfig, names: ConvNeXtNames = TORCHVISION_CONVNEXT) -> Iterator[tuple[str, str, str]]:
+    yield from _conv(names.stem[0], "stem/conv", bias=True)
+    yield from _layer_norm(names.stem[1], "stem/norm")
     unit = 0  # index into the model's blocks: downsamples and blocks in order
     for stage, depth in enumerate(CONVNEXTS[config.name][0]):
         if stage > 0:
-            yield from _layer_norm(f"features.{2 * stage}.0", f"blocks/{unit}/norm")
-            yield from _conv(f"features.{2 * stage}.1", f"blocks/{unit}/conv", bias=True)
+            norm, conv = names.downsample(stage)
+            yield from _layer_norm(norm, f"blocks/{unit}/norm")
+            yield from _conv(conv, f"blocks/{unit}/conv", bias=True)
             unit += 1
         for i in range(depth):
-            torch_block, at = f"features.{2 * stage + 1}.{i}", f"blocks/{unit}"
-            yield from _conv(f"{torch_block}.block.0", f"{at}/dwconv", bias=True)
-            yield from _layer_norm(f"{torch_block}.block.2", f"{at}/norm")
-            yield from _linear(f"{torch_block}.block.3", f"{at}/pwconv1")
-            yield from _linear(f"{torch_block}.block.5", f"{at}/pwconv2")
-            yield f"{torch_block}.layer_scale", f"{at}/layer_scale", "layer_scale"
+            theirs, at = names.block(stage, i), f"blocks/{unit}"
+            dwconv, norm, pwconv1, pwconv2, layer_scale = (f"{theirs}.{part}" for part in names.parts)
+            yield from _conv(dwconv, f"{at}/dwconv", bias=True)
+            yield from _layer_norm(norm, f"{at}/norm")
+            yield from _linear(pwconv1, f"{at}/pwconv1")
+            yield from _linear(pwconv2, f"{at}/pwconv2")
+            yield layer_scale, f"{at}/layer_scale", names.layer_scale
             unit += 1
-    yield from _layer_norm("classifier.0", "head/norm")
-    yield from _linear("classifier.2", "head/fc")
+    yield from _layer_norm(names.head[0], "head/norm")
+    yield from _linear(names.head[1], "head/fc")
 
 
 def _mobilenet_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
@@ -145,7 +149,7 @@ def _mobilenet_keys(config: ModelConfig) -> Iterator[tuple[str, str, str]]:
 # family -> {naming scheme: its keys}; timm names ResNets as torchvision does
 SCHEMES = {
     "resnet": {"torchvision": _resnet_keys},
-    "convnext": {"torchvision": _convnext_keys, "timm": _timm_convnext_keys},
+    "convnext": {"torchvision": _convnext_keys, "timm": lambda config: _convnext_keys(config, TIMM_CONVNEXT)},
     "mobilenet": {"torchvision": _mobilenet_keys},
 }
 
