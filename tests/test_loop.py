@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_PLAIN, _optim, bundled_digits, compiled_program, load_train_module
+from conftest import REPO, TINY_PLAIN, _optim, bundled_digits, compiled_program, load_train_module
 from test_equivalence import layout_named
 
 from jaxcnn.build import build_program
@@ -179,21 +179,34 @@ def _train(tmp_path, name, *flags):
     return load_train_module().main([*TINY, "--results-dir", str(tmp_path), "--run-name", name, *flags])
 
 
-def test_resume_with_data_on_the_devices_and_k_steps_a_call_is_exact(tmp_path):
-    """Checkpoints fall at call boundaries (the first past each --checkpoint-every); a resume
-    from one restarts the device feed at its step, mid-epoch: every loss as uninterrupted."""
-    flags = ["--data-on-device", "on", "--steps-per-call", "4", "--augment-shift", "1", "--max-steps", "30"]
-    full = _train(tmp_path, "full", *flags, "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "10")
+RESUME_SEED = 0  # draws the checkpoint a kill leaves newest (a failure reruns the same one)
+
+
+@pytest.mark.parametrize("on_device", ["on", "off"], ids=["device", "host"])
+def test_resume_with_k_steps_a_call_from_a_random_checkpoint_is_exact(tmp_path, on_device):
+    """4 steps a call, a checkpoint at the first call boundary past each multiple of 5: a
+    run killed after some checkpoint (drawn at random from a fixed seed) leaves it the
+    newest; a resume from it restarts the feed -- the device feed's carry, or the host
+    loader's stacked calls -- at its step, mid-epoch: every loss as uninterrupted, bit for
+    bit."""
+    import random
+
+    flags = ["--data-on-device", on_device, "--steps-per-call", "4", "--augment-shift", "1", "--max-steps", "30"]
+    full = _train(tmp_path, "full", *flags, "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "5",
+                  "--keep-checkpoints", "10")  # fmt: skip
     saved = sorted(int(p.name) for p in (tmp_path / "a").iterdir() if p.name.isdigit())
-    assert saved == [12, 20, 30] and full["steps_per_call"] == 4  # 20: an epoch's end; 30: the last
+    assert saved == [8, 12, 16, 20, 28, 30] and full["steps_per_call"] == 4  # 8: past 5, ...; 30: the end
+    killed_after = random.Random(RESUME_SEED).choice(saved[:-1])
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    for later in ("20", "30"):
-        shutil.rmtree(tmp_path / "b" / later)
-    resumed = _train(tmp_path, "again", *flags, "--checkpoint-dir", str(tmp_path / "b"), "--resume")
-    assert resumed["resumed_from_step"] == 12
+    for later in saved:
+        if later > killed_after:
+            shutil.rmtree(tmp_path / "b" / str(later))
+    resumed = _train(tmp_path, "again", *flags, "--checkpoint-dir", str(tmp_path / "b"), "--resume",
+                     "--keep-checkpoints", "10")  # fmt: skip
+    assert resumed["resumed_from_step"] == killed_after
     assert resumed["loss_history"] == full["loss_history"]  # bit for bit
     record = json.loads((tmp_path / "full" / "full.json").read_text())
-    assert record["data_on_device"].startswith("on")
+    assert record["data_on_device"].startswith(on_device)
 
 
 def test_a_non_finite_loss_is_caught_within_a_call_and_nothing_after_it_is_saved(tmp_path, capsys):
@@ -284,3 +297,160 @@ def test_k_larger_than_an_epoch_is_cut_to_the_epoch(tmp_path):
     run = _train(tmp_path, "long", "--data-on-device", "on", "--steps-per-call", "64", "--batch-size", "320",
                  "--max-steps", "6")  # fmt: skip
     assert run["steps_per_call"] == 4 and len(run["loss_history"]) == 6
+
+
+class _Saves:
+    """A checkpointer that keeps what it is given in memory: the steps saved, and whether
+    each saved state was finite."""
+
+    directory = "memory"
+
+    def __init__(self, every: int):
+        self.every, self.saved = every, []
+
+    def save(self, step, state, record):
+        finite = all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(jax.device_get(state.params)))
+        self.saved.append((step, finite))
+
+    def steps(self):
+        return [step for step, _ in self.saved]
+
+
+def _tiny_program(on_device: bool, batch: int, per_call: int, total: int, with_eval: bool = False, optim=None):
+    """(program, device data or None) on one device, the bundled digits."""
+    data, layout, mesh = bundled_digits(), layout_named("single"), build_mesh({"data": 1})
+    on = choose("on", data, layout, mesh, Augment(), 0)[0] if on_device else None
+    program = build_program(TINY_PLAIN, optim or _optim(), layout, mesh, data.image_shape, batch, total,
+                            with_eval=with_eval, on_device=on, steps_per_call=per_call)  # fmt: skip
+    return program, (placed(data, on, layout, mesh) if on else None)
+
+
+def _wrap_calls(program, on_device: bool, per_call: int, epoch: int, wrap) -> None:
+    """Every call the run can make -- K steps, an epoch's last (compiled here first, so that
+    none appears unwrapped), one step -- replaced by `wrap(run)`."""
+    from jaxcnn.program import StepCall
+
+    if not on_device:
+        program.train_step = wrap(program.train_step)
+    for steps in {per_call, epoch % per_call or per_call, 1} if on_device else {per_call} - {1}:
+        call = program.calls.get(steps, on_device)
+        program.calls._calls[(steps, on_device)] = StepCall(wrap(call.run), steps, on_device, call.stacked)
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["device", "host"])
+def test_the_stop_is_asked_once_a_call_whatever_the_actions_waited_for(on_device, monkeypatch):
+    """Several processes stop at the same step only if each asks `stop.check()` (JAX's sync
+    point) at the same places. Counted here against the calls dispatched, two ways: with no
+    action and every metrics fetch found ready at once (a single process that never
+    waits), and with everything that waits -- a checkpoint every 3 steps, an evaluation
+    every epoch, a callback every 2 steps that blocks on the state, no fetch ever found
+    ready (as with several processes). Both must ask exactly once after every call, the
+    same sequence; and a stop agreed at the 5th question lands at the same step for both,
+    saved once there."""
+    import signal
+
+    import jaxcnn.fit.metrics
+    from jaxcnn.data import load_csv
+    from jaxcnn.fit import Interrupted, StepCallback
+    from jaxcnn.stopping import StopRequests
+
+    class CountedStop(StopRequests):
+        def __init__(self, events, agree_at=None):
+            super().__init__(multi_process=False)
+            self.events, self.agree_at = events, agree_at
+
+        def check(self):
+            self.events.append("check")
+            if self.events.count("check") == self.agree_at:
+                self.received.append(signal.SIGTERM)
+            return super().check()
+
+    per_call, batch, epochs = 3, 320, 3  # epochs of 4 steps: a call of 3, then one of the step left
+    program, device_data = _tiny_program(on_device, batch, per_call, 12, with_eval=True)
+    events = []
+
+    def counted(run):
+        def call(*args):
+            events.append("call")
+            return run(*args)
+
+        return call
+
+    _wrap_calls(program, on_device, per_call, 4, counted)
+    test_set = load_csv(REPO / "data/test.csv")
+
+    def run(waits: bool, agree_at=None):
+        events.clear()
+        monkeypatch.setattr(jaxcnn.fit.metrics.Fetch, "ready", lambda self: not waits)
+        saves = _Saves(every=3) if waits else None
+        try:
+            result = fit(
+                program, program.init(), Loader(bundled_digits()), test_set if waits else None,
+                TrainConfig(batch_size=batch, epochs=epochs, steps_per_call=per_call), progress=False,
+                checkpointer=saves, stop=CountedStop(events, agree_at), device_data=device_data,
+                on_steps=StepCallback(2, lambda step, state: jax.block_until_ready(state)) if waits else None,
+            )  # fmt: skip
+        except Interrupted as stopped:
+            result = stopped.result
+        return list(events), result, saves
+
+    quiet, _, _ = run(waits=False)
+    busy, _, saves = run(waits=True)
+    assert quiet == ["call", "check"] * 6  # 2 calls an epoch, each followed by one question
+    assert busy == quiet
+    assert saves.steps() == [3, 7, 11, 12]  # the first call boundary past each multiple of 3, and the end
+    stopped_quiet, result_quiet, _ = run(waits=False, agree_at=5)
+    stopped_busy, result_busy, saves = run(waits=True, agree_at=5)
+    assert stopped_quiet == stopped_busy == ["call", "check"] * 5
+    assert result_quiet.steps == result_busy.steps == 4 + 4 + 3
+    assert saves.steps() == [3, 7, 11]  # the stop's one save at the agreed step (the periodic one not asked)
+
+
+@pytest.mark.parametrize(
+    ("on_device", "saves_every"), [(True, None), (True, 5), (True, 30), (False, 5)],
+    ids=["device-rows-deferred", "device-saving", "device-first-save-after-the-nan", "host-saving"],
+)  # fmt: skip
+def test_a_nan_later_in_the_run_publishes_the_rows_before_it_once_in_order_and_saves_nothing_after(
+    on_device, saves_every, monkeypatch
+):
+    """A NaN from step 27 (epoch 3 of 11-step epochs, 4 steps a call): every parameter made
+    NaN by the call that starts at step 26, so step 27's loss is the first non-finite one.
+    The run must raise NonFiniteLoss naming step 27, having handed `on_epoch` epochs 1 and
+    2 -- once each, in order, with their own finite losses -- and nothing of epoch 3 or
+    later. With the data on the devices and no test set the rows wait for their metrics
+    (no fetch is ever found ready here: they arrive only when due), so the NaN is read
+    epochs later; with periodic saves every save before the NaN is read must be of a step
+    before it, and finite. A first save due at step 30 reads every metric first: epochs
+    1 and 2's rows are completed by that read, which then finds the NaN -- they must
+    still be handed on, before the error."""
+    import re
+
+    import jaxcnn.fit.metrics
+    from jaxcnn.fit import NonFiniteLoss
+
+    per_call, batch, first_bad = 4, 128, 27
+    epoch = len(bundled_digits()) // batch  # 11
+    program, device_data = _tiny_program(on_device, batch, per_call, 40 * epoch)
+    monkeypatch.setattr(jaxcnn.fit.metrics.Fetch, "ready", lambda self: False)
+
+    @jax.jit
+    def poisoned(state):
+        nan = state.step >= first_bad - 1
+        return state._replace(params=jax.tree.map(lambda p: jnp.where(nan, jnp.nan, p), state.params))
+
+    _wrap_calls(program, on_device, per_call, epoch, lambda run: lambda state, *inputs: run(poisoned(state), *inputs))
+    seen, saves = [], _Saves(saves_every) if saves_every else None
+    with pytest.raises(NonFiniteLoss) as stopped:
+        fit(program, program.init(), Loader(bundled_digits()), None,
+            TrainConfig(batch_size=batch, epochs=40, steps_per_call=per_call), progress=False, checkpointer=saves,
+            device_data=device_data, on_epoch=lambda row, losses: seen.append((dict(row), list(losses))))  # fmt: skip
+    assert int(re.search(r"at step (\d+)", str(stopped.value)).group(1)) == first_bad
+    assert [row["epoch"] for row, _ in seen] == [1, 2]
+    for k, (row, losses) in enumerate(seen):
+        assert row["step"] == (k + 1) * epoch and len(losses) == epoch and np.isfinite(losses).all()
+        assert row["train_loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+    if saves is not None:
+        assert all(step < first_bad and finite for step, finite in saves.saved), saves.saved
+        last_good = f"the last good checkpoint is step {saves.steps()[-1]} " if saves.saved else "no checkpoint was saved"
+        assert last_good in str(stopped.value)
+        assert bool(saves.saved) == (saves_every < first_bad)
