@@ -3,6 +3,7 @@
     jaxcnn train --layout fsdp --epochs 5
     jaxcnn predict --run runs/<name> --data images/
     jaxcnn evaluate --run runs/<name>
+    jaxcnn export --run runs/<name> --format onnx
 
 Each command's module parses its flags before it imports JAX (`main` imports the work
 after `parse_flags`), so `--help` and bad flags answer at once. The scripts in
@@ -20,6 +21,7 @@ COMMANDS = {
     "train": "train a CNN under a layout and mesh; keep the model and the run's logs in runs/<name>/",
     "predict": "predictions of a trained run's model for a CSV or a folder of images",
     "evaluate": "accuracy, loss, per-class accuracy and the confusion matrix of a run's model on labelled data",
+    "export": "a run's model as ONNX and StableHLO (any batch), checked against its own logits, with a sidecar JSON",
     "compare": "compare layouts from the compiled program: memory, FLOPs, collective bytes, speed-up",
     "scale": "scaling report: a layout on 1, 2, 4, ... devices, and whether scaling out pays",
     "plan": "rank every layout x mesh for N devices on a hardware profile, within a memory budget",

@@ -139,10 +139,23 @@ def load_csv(path: str | Path, *, channels: int = 1, num_classes: int = 10, need
     shape = image_shape_for(pixels.shape[1], channels, str(path))
     if pixels.min() < 0:
         raise UserError(f"data file {path} has negative pixel values; pixels must be intensities >= 0")
-    brightest = float(pixels.max())
-    scale = next((s for s in FULL_SCALES if brightest <= s), brightest)
-    images = (pixels / scale).astype(np.float32).reshape((-1, *shape))
+    images = (pixels / full_scale(float(pixels.max()))).astype(np.float32).reshape((-1, *shape))
     return Dataset(images=images, labels=labels, source=str(path))
+
+
+def full_scale(brightest: float) -> float:
+    """What a CSV's pixels are divided by: the smallest of FULL_SCALES that holds its
+    brightest pixel (beyond them, that pixel's value)."""
+    return next((s for s in FULL_SCALES if brightest <= s), brightest)
+
+
+def csv_full_scale(path: str | Path) -> float:
+    """The full scale `load_csv` divides the CSV at `path` by (a server exporting the
+    model needs the number: jaxcnn.export.sidecar)."""
+    path = Path(path)
+    frame = _read_frame(path)
+    columns = [frame.columns.get_loc(c) for c in _check_columns(frame, path)]
+    return full_scale(float(_numeric(frame, path)[:, columns].max()))
 
 
 def parse_image_shape(text: str) -> tuple[int, int, int]:
