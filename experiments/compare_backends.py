@@ -14,7 +14,7 @@ every chosen config's batch):
   resnet18-32   ResNet-18 with the small stem (3x3 stride-1 conv, no pool), 32x32x3, batch 128
   resnet50-224  ResNet-50 with the ImageNet stem (7x7/2 conv, 3x3/2 max-pool), 224x224x3, batch 8
 
-In torch the CNN is written out (jaxcnn.analysis.torch_twin) and the ResNets are
+In torch the CNN is written out (jaxcnn.benchmarks.torch_twin) and the ResNets are
 torchvision's (`torchvision.models.resnet18/50`, the small stem swapped in as CIFAR code
 does), fed NCHW contiguous batches as torch's CPU users feed them (a GPU's: below). Both backends run the same
 architecture, the same initial weights (copied from the jaxcnn model), the same batch and
@@ -30,7 +30,7 @@ in 2 rounds, the CNN to 20 in 5 (--steps, --rounds set every config's), so that 
 default run takes about 10 minutes on 2 cores (a ResNet-18 step at 32x32, batch 128, ~8 s).
 --torch-compile adds a row: torch with `torch.compile(model)` (default mode).
 
-Torch runs in spawned worker processes (jaxcnn.analysis.torch_twin) kept alive for the
+Torch runs in spawned worker processes (jaxcnn.benchmarks.torch_twin) kept alive for the
 whole config, and the timed rounds alternate between backends, so both see the same
 machine. Torch gets glibc's default malloc, as torch users run it, and once more with the
 settings jaxcnn applies to its own process (`jaxcnn.host_memory`, `host_malloc=keep-freed`),
@@ -83,7 +83,7 @@ import jax
 from jaxcnn import results
 from jaxcnn.analysis.baselines import flops_of, peak_flops
 from jaxcnn.analysis.measure import interleaved, random_batch, timing_program, warm_stepper
-from jaxcnn.analysis.torch_twin import (
+from jaxcnn.benchmarks.torch_twin import (
     FIRST_STEPS,
     TorchWorkerError,
     TorchWorkers,

@@ -1,6 +1,6 @@
 """Side by side on real data: Fashion-MNIST, the default CNN, one device -- jaxcnn's host
 loader, its data on the device, its data on the device with K steps a call, and PyTorch
-eager on the same model (the same initial weights: jaxcnn.analysis.torch_twin; on a GPU
+eager on the same model (the same initial weights: jaxcnn.benchmarks.torch_twin; on a GPU
 where torch sees one), recipe
 (Adam, the same warm-up and cosine learning rate step by step, batch 128) and shuffled
 batches (a DataLoader over tensors in memory).
@@ -84,7 +84,7 @@ def _torch_run(train_set, test_set, config: TrainConfig) -> tuple[list[dict], fl
     torch sees one (each batch copied over as a torch user's loop does), else the CPU."""
     import torch
 
-    from jaxcnn.analysis.torch_twin import torch_model
+    from jaxcnn.benchmarks.torch_twin import torch_model
     from jaxcnn.models import build_model
 
     torch.manual_seed(config.seed)

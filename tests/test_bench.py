@@ -139,7 +139,7 @@ def test_torch_twin_computes_what_jaxcnn_computes(name, stem, shape, tolerance):
         pytest.importorskip("torchvision")
     import jax.numpy as jnp
 
-    from jaxcnn.analysis import torch_twin
+    from jaxcnn.benchmarks import torch_twin
     from jaxcnn.config import ModelConfig
     from jaxcnn.models import build_model
 
@@ -159,7 +159,7 @@ def test_torch_twin_computes_what_jaxcnn_computes(name, stem, shape, tolerance):
 def test_backend_comparison_refuses_models_that_disagree():
     torch = pytest.importorskip("torch")
 
-    from jaxcnn.analysis import torch_twin
+    from jaxcnn.benchmarks import torch_twin
     from jaxcnn.config import ModelConfig
     from jaxcnn.errors import UserError
     from jaxcnn.models import build_model
@@ -188,7 +188,7 @@ def test_resnet_twin_holds_every_jax_weight_and_statistic():
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxcnn.analysis import torch_twin
+    from jaxcnn.benchmarks import torch_twin
 
     config, jax_model = _resnet18("small", 16)
     # fresh norms are 1s and 0s in both libraries: move every jax value, so a tensor left
@@ -216,7 +216,7 @@ def test_resnet_twin_holds_every_jax_weight_and_statistic():
 
 
 def test_torch_runs_on_the_kind_of_device_jax_runs_on():
-    from jaxcnn.analysis.torch_twin import torch_setup
+    from jaxcnn.benchmarks.torch_twin import torch_setup
     from jaxcnn.errors import UserError
 
     cpu = torch_setup("cpu", "float32", cuda_available=True)  # a CUDA torch still compares on the CPU
@@ -235,7 +235,7 @@ def test_torch_runs_on_the_kind_of_device_jax_runs_on():
 def test_torch_twin_steps_channels_last_under_bfloat16_autocast():
     torch = pytest.importorskip("torch")
 
-    from jaxcnn.analysis import torch_twin
+    from jaxcnn.benchmarks import torch_twin
     from jaxcnn.config import ModelConfig
     from jaxcnn.models import build_model
 
@@ -255,7 +255,7 @@ def test_torch_twin_steps_channels_last_under_bfloat16_autocast():
 def test_torch_workers_report_first_steps_and_fail_on_one_line():
     pytest.importorskip("torch")
 
-    from jaxcnn.analysis.torch_twin import FIRST_STEPS, TorchWorkerError, TorchWorkers
+    from jaxcnn.benchmarks.torch_twin import FIRST_STEPS, TorchWorkerError, TorchWorkers
     from jaxcnn.config import ModelConfig
 
     images = np.random.default_rng(0).random((4, 8, 8, 1), dtype=np.float32)

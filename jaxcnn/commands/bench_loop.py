@@ -1,6 +1,6 @@
 """Does the training loop set the pace? `fit`'s time per step against a bare Python loop
 calling the same compiled call on inputs already placed, for each way of feeding the step,
-in one process, alternating round by round (jaxcnn.analysis.loop).
+in one process, alternating round by round (jaxcnn.benchmarks.loop).
 
 jaxcnn bench-loop                                          # both cases, digits and a folder, every mode
 jaxcnn bench-loop --cases tiny --data digits --rounds 5 --out results/loop_overhead.csv
@@ -71,7 +71,7 @@ def main(argv=None) -> list[dict]:
 
     simulate_cpu_devices(8, at_least=True)
     from jaxcnn import compile_cache, results
-    from jaxcnn.analysis.loop import LoopCase, measure_loop
+    from jaxcnn.benchmarks.loop import LoopCase, measure_loop
     from jaxcnn.config import BUNDLED_TRAIN, ModelConfig
     from jaxcnn.data import load_csv, load_image_folder
     from jaxcnn.plots import loop_overhead_plot
