@@ -41,6 +41,7 @@ LAYERS = [
     ("jaxcnn.spmd",),
     ("jaxcnn.build",),
     ("jaxcnn.inference",),
+    ("jaxcnn.export",),
     ("jaxcnn.analysis",),
     ("jaxcnn.benchmarks",),
     ("jaxcnn.recovery", "jaxcnn.run_record"),
