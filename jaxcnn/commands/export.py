@@ -27,7 +27,7 @@ def parse_flags(argv=None):
     parser.add_argument("--out", metavar="DIR", help="where the files go (default: <run>/export)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export")
     parser.add_argument(
-        "--check-examples", type=int, default=DEFAULT_EXAMPLES,
+        "--check-examples", type=int, default=DEFAULT_EXAMPLES, metavar="N",
         help="check each artefact on this many of the run's test examples (the first ones)",
     )  # fmt: skip
     return parser.parse_args(argv)
