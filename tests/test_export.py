@@ -19,8 +19,9 @@ from PIL import Image
 from jaxcnn.commands import cli, export, predict
 from jaxcnn.data import Dataset
 from jaxcnn.errors import UserError
-from jaxcnn.export.formats import image_spec, onnx_bytes
+from jaxcnn.export.formats import image_spec, onnx_bytes, run_onnx
 from jaxcnn.inference import load_predictor
+from jaxcnn.layers import max_pool_2x2, max_pool_window
 from jaxcnn.runs import open_run
 from jaxcnn.sharding import build_mesh, get_layout
 
@@ -65,6 +66,10 @@ def test_onnx_and_stablehlo_give_the_runs_logits_at_two_batch_sizes(csv_run, cap
     assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.onnx", "model.stablehlo"]
     assert json.loads((out / "model.json").read_text()) == json.loads(json.dumps(info))
     assert all(check["within_tolerance"] for check in info["check"]["results"])
+    assert [(c["format"], c["examples"], c["batch_sizes"]) for c in info["check"]["results"]] == [
+        ("onnx", 40, [40, 1]),
+        ("stablehlo", 40, [40, 1]),
+    ]
     images = np.random.default_rng(0).random((7, 8, 8, 1), dtype=np.float32)
     reference = _the_runs_logits(run_dir, images)
     session = _onnx_session(out / "model.onnx")
@@ -175,6 +180,17 @@ def test_bad_input_is_one_line_and_exit_2(csv_run, tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert stop.value.code == 2 and len(lines) == 1 and message in lines[0], (case, lines)
         assert not out.exists(), case
+
+
+@pytest.mark.parametrize("pool", [max_pool_2x2, max_pool_window], ids=["select", "window"])
+def test_the_cnns_pools_on_an_odd_map_convert_exactly_at_any_batch(pool):
+    """An odd 7x7 map: the select pool pads (jax2onnx's pad fails on a symbolic batch), the
+    window pool is a reduce_window (a four-axis MaxPool ONNX Runtime refuses): both replayed
+    (jaxcnn.export.inlined), both exact."""
+    data = onnx_bytes(pool, image_spec((7, 7, 3), "float32"), "pool")
+    x = np.random.default_rng(1).normal(size=(5, 7, 7, 3)).astype(np.float32)
+    for batch in (2, 5):
+        assert np.array_equal(run_onnx(data, x[:batch]), np.asarray(pool(x[:batch]))), batch
 
 
 def test_an_operation_jax2onnx_lacks_is_one_line_naming_it():

@@ -64,9 +64,9 @@ def export_run(run: Run, formats: tuple[str, ...], out: Path, check_examples: in
         else:
             data = stablehlo_bytes(function, spec)
             runner = run_stablehlo
-        whole, first = runner(data, images), runner(data, images[:1])
-        checks.append(compare(name, np.concatenate([whole, first]), np.concatenate([reference, reference[:1]])))
-        checks[-1]["batch_sizes"] = [len(images), 1]
+        whole, first = runner(data, images), runner(data, images[:1])  # two batch sizes, one artefact
+        both = compare(name, np.concatenate([whole, first]), np.concatenate([reference, reference[:1]]))
+        checks.append({**both, "examples": len(images), "batch_sizes": [len(images), 1]})
         artefacts[FILES[name]] = data
     failed = [c for c in checks if not c["within_tolerance"]]
     if failed:

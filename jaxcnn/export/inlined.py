@@ -10,10 +10,12 @@ with those wrappers opened -- in eval mode nothing is differentiated, so a custo
 derivative's primal body is the whole computation -- and `checkpoint_name` markers dropped.
 Its rewrites are never reached; what it converts is the jaxpr XLA compiles.
 
-One lax operation is replayed differently: jax2onnx turns `reduce_window_max` over an NHWC
-array into a MaxPool over four spatial axes, which ONNX Runtime refuses ("Unsupported
-pooling size"); the batch and channels are folded into one axis first, so the pool has the
-three ONNX Runtime runs. Max is exact, so the numbers are the same.
+Two lax operations are replayed differently, with the same numbers: jax2onnx turns
+`reduce_window_max` over an NHWC array into a MaxPool over four spatial axes, which ONNX
+Runtime refuses ("Unsupported pooling size"), so the batch and channels are folded into one
+axis first and the pool has the three ONNX Runtime runs; and its `pad` fails on a symbolic
+batch (it gives onnx_ir the output shape unconverted), so a pad (the CNN's 2x2 pool on an
+odd-sized map) becomes the concatenation of the array with blocks of the pad value.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def replay(jaxpr: jcore.Jaxpr, consts, args) -> list:
             outs = ins
         elif name == "reduce_window_max" and _nhwc_pool(eqn.params):
             outs = [nhwc_window_max(*ins, **eqn.params)]
+        elif name == "pad" and all(lo >= 0 and hi >= 0 and not inner for lo, hi, inner in eqn.params["padding_config"]):
+            outs = [concatenated_pad(*ins, **eqn.params)]
         else:
             out = eqn.primitive.bind(*ins, **eqn.params)
             outs = out if eqn.primitive.multiple_results else [out]
@@ -85,3 +89,16 @@ def nhwc_window_max(x_BHWC, *, window_dimensions, window_strides, padding, **_):
         ((0, 0), *padding[1:3]),
     )  # fmt: skip
     return y_NHW.reshape(b, c, *y_NHW.shape[1:]).transpose(0, 2, 3, 1)
+
+
+def concatenated_pad(x, value, *, padding_config):
+    """`lax.pad` (edges only, none negative) as concatenations with blocks of `value`."""
+    for axis, (lo, hi, _) in enumerate(padding_config):
+        blocks = []
+        for size in (int(lo), int(hi)):
+            shape = list(x.shape)
+            shape[axis] = size
+            blocks.append(lax.broadcast_in_dim(value, tuple(shape), ()) if size else None)
+        if lo or hi:
+            x = lax.concatenate([part for part in (blocks[0], x, blocks[1]) if part is not None], axis)
+    return x
