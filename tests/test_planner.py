@@ -122,6 +122,8 @@ def test_pipeline_candidates_are_compiled_and_ranked():
         # the busiest stage: at least its share of a step (forward and backward: 2x to 4x the
         # forward's FLOPs), at most a whole step on its data shard
         assert 2 * FORWARD_FLOPS / (stages * data) <= c.flops <= 4 * FORWARD_FLOPS / data
+        # the model's count (what is priced): 3x the forward of the busiest stage's layers
+        assert 3 * FORWARD_FLOPS / (stages * data) <= c.compute_flops == c.model_flops <= 3 * FORWARD_FLOPS / data
         assert c.wire_bytes >= c.cost.transfer_bytes
         # priced: compute at the achieved FLOP/s (and each kernel's launch) stretched by the bubble
         # (S-1)/(M+S-1) (M = 2 micro-batches of 16); each hop of each collective the link's
@@ -129,7 +131,7 @@ def test_pipeline_candidates_are_compiled_and_ranked():
         assert c.bubble_fraction == pytest.approx((stages - 1) / (2 + stages - 1))
         launches = c.num_kernels * profile.kernel_seconds
         achieved = profile.flops_fp32 * profile.conv_fraction_fp32
-        assert c.compute_seconds == pytest.approx((c.flops / achieved + launches) / (1 - c.bubble_fraction))
+        assert c.compute_seconds == pytest.approx((c.compute_flops / achieved + launches) / (1 - c.bubble_fraction))
         hops = sum(
             x.hops * x.repeats for x in max(c.cost.stage_collectives, key=lambda s: sum(x.step_wire_bytes for x in s))
         )
@@ -151,7 +153,8 @@ def test_compute_is_priced_at_the_calibrated_fraction_of_the_peak(candidates):
         ("bfloat16", h100.flops_bf16, h100.conv_fraction_bf16),
     ):
         for c in price(candidates, h100, 8, dtype):
-            assert c.compute_seconds == pytest.approx(c.flops / (peak * fraction) + c.num_kernels * h100.kernel_seconds)
+            launches = c.num_kernels * h100.kernel_seconds
+            assert c.compute_seconds == pytest.approx(c.compute_flops / (peak * fraction) + launches)
     for (name, dtype), (low, used, high) in RESNET50_IMAGES_PER_SECOND.items():
         profile = get_profile(name)
         assert low <= used <= high

@@ -1,6 +1,7 @@
 """What a compiled program costs each device per optimizer step: memory (XLA's
-`memory_analysis`), FLOPs (`cost_analysis`) and collectives (the HLO), read without
-running anything.
+`memory_analysis`), FLOPs (`cost_analysis`, and the model's own count from the layer
+shapes: jaxcnn.analysis.model_flops, which XLA:CPU's depthwise kernel gradients overstate)
+and collectives (the HLO), read without running anything.
 
 `step_cost` reads one compiled step. `program_cost` reads any `jaxcnn.program.Program`
 through its `stages`: an SPMD program is one stage of one program; a pipeline stage runs
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxcnn.analysis.hlo import Collective, collectives, kernel_count
+from jaxcnn.analysis.model_flops import program_model_flops
 from jaxcnn.autobatch import largest_batch
 from jaxcnn.build import build_program
 from jaxcnn.errors import UserError
@@ -107,11 +109,19 @@ class ProgramCost:
     optimizer_bytes: int
     temp_bytes: int
     peak_bytes: int  # the most live at once: a program's arguments, outputs, temporaries (+ resident state)
-    flops: float
+    flops: float  # XLA's cost_analysis
     stage_collectives: list[list[Collective]]
     transfer_bytes: int  # pipeline: the most one stage boundary carries, forward + backward
     num_collectives: int  # collectives (loops counted once) and sends between stages per step
     num_kernels: int = 0  # kernels the busiest stage launches per step (loop bodies counted once)
+    # the model's training FLOPs from its layer shapes (jaxcnn.analysis.model_flops); None: a custom model
+    model_flops: float | None = None
+
+    @property
+    def compute_flops(self) -> float:
+        """The FLOPs a step's compute is priced by: the model's count where there is one
+        (XLA:CPU's counts a depthwise kernel gradient as a full convolution), else XLA's."""
+        return self.flops if self.model_flops is None else self.model_flops
 
     def kind_bytes(self, kind: str) -> int:
         return sum(c.step_bytes for stage in self.stage_collectives for c in stage if c.kind == kind) // len(
@@ -154,6 +164,7 @@ def program_cost(program: Program) -> ProgramCost:
         transfer_bytes=max(anatomy.boundary_bytes, default=0),
         num_collectives=count + anatomy.boundary_transfers,
         num_kernels=max(kernels),
+        model_flops=program_model_flops(program),
     )
 
 

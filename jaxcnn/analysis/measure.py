@@ -2,7 +2,8 @@
 
     row = measure_layout(model_config, layout, mesh_shape, image_shape, batch_size, steps=10)
 
-gives one row of the compare CSV (COMPARE_COLUMNS) (per-device bytes and FLOPs per optimizer step,
+gives one row of the compare CSV (COMPARE_COLUMNS) (per-device bytes and FLOPs per optimizer step --
+XLA's and the model's count, jaxcnn.analysis.model_flops --
 measured and modelled collective bytes, step time, images/s) for every layout, the
 pipeline included: its figures are those of the stage that bounds the step (jaxcnn.analysis.cost).
 `speedup` and `efficiency` are filled in against the `single` row by `add_speedups`.
@@ -32,7 +33,7 @@ from jaxcnn.sharding.partition import quiet_fallbacks
 
 COMPARE_COLUMNS = [
     "layout", "mesh", "num_devices", "param_bytes_per_device", "optimizer_bytes_per_device", "temp_bytes_per_device",
-    "flops_per_device", "bytes_all_reduce", "bytes_all_gather", "bytes_reduce_scatter", "bytes_collective_permute",
+    "flops_per_device", "model_flops_per_device", "bytes_all_reduce", "bytes_all_gather", "bytes_reduce_scatter", "bytes_collective_permute",
     "bytes_all_to_all", "comm_bytes", "comm_bytes_model", "step_seconds", "images_per_second", "speedup", "efficiency",
     "remat", "dtype",
 ]  # fmt: skip
@@ -150,7 +151,8 @@ def measure_layout(
         "optimizer_bytes_per_device": cost.optimizer_bytes,
         "temp_bytes_per_device": cost.temp_bytes,
         "peak_bytes_per_device": cost.peak_bytes,
-        "flops_per_device": cost.flops,
+        "flops_per_device": cost.flops,  # XLA's cost_analysis
+        "model_flops_per_device": cost.model_flops,  # from the layer shapes (jaxcnn.analysis.model_flops)
         **{_column(kind): cost.kind_bytes(kind) for kind in KINDS},
         "comm_bytes": cost.comm_bytes,
         "comm_bytes_model": model["total"],

@@ -7,14 +7,17 @@
 Every mesh factorisation of N x every layout is compiled ahead of time (nothing runs;
 on a CPU-only machine on N simulated devices), and beside them one device and dp on every
 smaller divisor of N -- the same global batch on fewer devices -- and read back: per-device
-peak memory (`memory_analysis`), FLOPs (`cost_analysis`), kernels launched and every
-collective (the HLO). Candidates over the memory budget are dropped; the rest are ranked by
-modelled step time, an alpha-beta (Hockney) model with the fixed costs a GPU pays:
+peak memory (`memory_analysis`), FLOPs (`cost_analysis`, and the model's count from its
+layer shapes), kernels launched and every collective (the HLO). Candidates over the memory
+budget are dropped; the rest are ranked by modelled step time, an alpha-beta (Hockney)
+model with the fixed costs a GPU pays:
 
     step = FLOPs per device / achieved FLOP/s  +  kernels x kernel_seconds
          + the collectives' exposed time (latency x hops + wire bytes / bandwidth)
 
-where achieved FLOP/s is the peak x the fraction of it a convolutional net's training step
+with the model's FLOPs (jaxcnn.analysis.model_flops), not XLA's: XLA:CPU counts a depthwise
+conv's kernel gradient as the full convolution, C x its work (a custom model, which has no
+layer shapes, is priced by XLA's), where achieved FLOP/s is the peak x the fraction of it a convolutional net's training step
 reaches on that hardware, calibrated on published ResNet-50 throughput (the peak itself
 for cpu-here, whose FLOP/s are measured), and a GPU cluster's collectives are those XLA:GPU
 and NCCL would run -- the parameters' combined and hidden behind compute, log-depth trees
@@ -68,7 +71,8 @@ class Candidate:
     peak_bytes: int = 0
     param_bytes: int = 0
     optimizer_bytes: int = 0
-    flops: float = 0.0
+    flops: float = 0.0  # per device: XLA's cost_analysis
+    model_flops: float | None = None  # per device: the model's count (jaxcnn.analysis.model_flops)
     wire_bytes: float = 0.0
     num_collectives: int = 0
     num_kernels: int = 0
@@ -88,6 +92,11 @@ class Candidate:
             return self.layout.name
         schedule, virtual = self.schedule
         return f"{self.layout.name}/{schedule}" + (f" x{virtual}" if virtual > 1 else "")
+
+    @property
+    def compute_flops(self) -> float:
+        """What the compute is priced by: the model's count, XLA's for a custom model."""
+        return self.flops if self.model_flops is None else self.model_flops
 
     @property
     def step_seconds(self) -> float:
@@ -233,10 +242,10 @@ def compile_candidates(
         if schedule is not None and schedule[1] == 1:
             one_chunk[key] = (candidate, program)
         out.append(candidate)
-    total = min((c.flops * c.devices for c in out if c.cost is not None), default=0.0)  # the one-device work
+    total = min((c.compute_flops * c.devices for c in out if c.cost is not None), default=0.0)  # one device's work
     for c in out:
         if c.cost is not None and total:
-            c.redundancy = c.flops * c.devices / total
+            c.redundancy = c.compute_flops * c.devices / total
     return out
 
 
@@ -283,7 +292,7 @@ def measure(candidate: Candidate, program) -> Candidate:
     candidate.roles = collective_roles(program)
     candidate.peak_bytes = cost.peak_bytes
     candidate.param_bytes, candidate.optimizer_bytes = cost.param_bytes, cost.optimizer_bytes
-    candidate.flops, candidate.wire_bytes = cost.flops, cost.wire_bytes
+    candidate.flops, candidate.model_flops, candidate.wire_bytes = cost.flops, cost.model_flops, cost.wire_bytes
     candidate.num_collectives, candidate.num_kernels = cost.num_collectives, cost.num_kernels
     return candidate
 
@@ -308,7 +317,7 @@ def price(
             share = candidate.devices if profile.shared_host else 1  # simulated devices share one host's FLOP/s
             stretch = 1 / (1 - candidate.bubble_fraction)  # (M+S-1)/M: a pipeline stage idles in the bubble
             candidate.compute_seconds = (
-                candidate.flops / (profile.achieved_flops(dtype) / share)
+                candidate.compute_flops / (profile.achieved_flops(dtype) / share)
                 + candidate.num_kernels * profile.kernel_seconds
             ) * stretch
             try:

@@ -84,7 +84,8 @@ def simulate(
                 "peak_bytes": candidate.peak_bytes,
                 "param_bytes": candidate.param_bytes,
                 "optimizer_bytes": candidate.optimizer_bytes,
-                "flops_per_device": candidate.flops,
+                "flops_per_device": candidate.flops,  # XLA's cost_analysis
+                "model_flops_per_device": candidate.model_flops,  # what the planner prices (model_flops)
                 "collectives": candidate.num_collectives,
                 "comm_bytes": candidate.cost.comm_bytes,
                 "comm_wire_bytes": candidate.cost.wire_bytes,

@@ -92,7 +92,12 @@ def format_table(rows: list[dict]) -> str:
     def mib(x):
         return f"{x / 2**20:9.2f}"
 
-    head = f"{'layout':<8} {'mesh':<18} {'params MiB':>10} {'opt MiB':>9} {'temp MiB':>9} {'GFLOP':>8} "
+    def gflop(x):
+        return "       -" if x is None else f"{x / 1e9:8.3f}"
+
+    head = (
+        f"{'layout':<8} {'mesh':<18} {'params MiB':>10} {'opt MiB':>9} {'temp MiB':>9} {'GFLOP':>8} {'XLA GFLOP':>9} "
+    )
     head += f"{'comm MiB':>9} {'model MiB':>9} {'ratio':>6} {'img/s':>8} {'speedup':>7} {'compile s':>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -101,9 +106,12 @@ def format_table(rows: list[dict]) -> str:
         speed = f"{r['speedup']:7.2f}" if r["speedup"] else "      -"
         lines.append(
             f"{r['layout']:<8} {r['mesh']:<18} {mib(r['param_bytes_per_device']):>10} "
-            f"{mib(r['optimizer_bytes_per_device'])} {mib(r['temp_bytes_per_device'])} {r['flops_per_device'] / 1e9:8.3f} "
+            f"{mib(r['optimizer_bytes_per_device'])} {mib(r['temp_bytes_per_device'])} {gflop(r['model_flops_per_device'])} "
+            f"{gflop(r['flops_per_device']):>9} "
             f"{mib(r['comm_bytes'])} {mib(r['comm_bytes_model'])} {ratio} {ips} {speed} "
             f"{r['compile_seconds']:6.1f}{' (c)' if r['compile_cached'] else '    '}"
         )
+    lines.append("GFLOP: the model's count per device from the layer shapes; XLA GFLOP: cost_analysis's, which")
+    lines.append("  counts a depthwise conv's kernel gradient as the full convolution on XLA:CPU")
     lines.append("compile s: XLA's compile of the step (c: read from the compile cache)")
     return "\n".join(lines)

@@ -88,7 +88,8 @@ def main(argv=None):
              "virtual_stages": c.schedule[1] if c.schedule else None, "mesh": c.mesh,
              "fits": c.error is None and c.peak_bytes <= budget, "peak_bytes_per_device": c.peak_bytes,
              "param_bytes_per_device": c.param_bytes, "optimizer_bytes_per_device": c.optimizer_bytes,
-             "devices": c.devices, "flops_per_device": c.flops, "redundancy": c.redundancy,
+             "devices": c.devices, "flops_per_device": c.flops, "model_flops_per_device": c.model_flops,
+             "redundancy": c.redundancy,
              "wire_bytes": c.wire_bytes, "num_collectives": c.num_collectives, "num_kernels": c.num_kernels,
              "compute_seconds": c.compute_seconds, "comm_seconds": c.comm_seconds,
              "step_seconds_model": c.step_seconds, "error": c.error}

@@ -81,13 +81,19 @@ def simulate_main(args) -> list[dict]:
         model_config, shape, layouts, counts, lambda n: args.batch_size * n if args.weak else args.batch_size,
         profile, args.devices_per_host, progress=lambda line: print(line, flush=True),
     )  # fmt: skip
-    print(f"\n{'layout':<8} {'devices':>7} {'compile':>8} {'peak MiB':>9} {'comm MiB':>9} {'model/compiled':>14} "
-          f"{'BN fwd B':>10} {'step ms':>8} {'efficiency':>10}")  # fmt: skip
+    print(f"\n{'layout':<8} {'devices':>7} {'compile':>8} {'peak MiB':>9} {'GFLOP':>8} {'XLA GFLOP':>9} {'comm MiB':>9} "
+          f"{'model/compiled':>14} {'BN fwd B':>10} {'step ms':>8} {'efficiency':>10}")  # fmt: skip
     for r in rows:
+        model_flops = r["model_flops_per_device"]  # None for a custom model
+        gflop = "       -" if model_flops is None else f"{model_flops / 1e9:8.3f}"
         print(f"{r['layout']:<8} {r['num_devices']:>7} {r['compile_seconds']:7.1f}s {r['peak_bytes'] / 2**20:9,.0f} "
+              f"{gflop} {r['flops_per_device'] / 1e9:9.3f} "
               f"{r['comm_bytes'] / 2**20:9,.1f} {r['model_over_compiled']:14.3f} {r['forward_statistics_bytes_max']:10,} "
               f"{r['step_seconds'] * 1e3:8.2f} {r['modelled_efficiency']:10.1%}")  # fmt: skip
-    print(f"modelled on {profile.name}, hosts of {args.devices_per_host} devices; nothing ran")
+    print(
+        f"modelled on {profile.name}, hosts of {args.devices_per_host} devices; nothing ran. GFLOP per device: the "
+        "model's count (what the step time prices), XLA's cost_analysis beside it"
+    )
     if out:
         results.write_csv(out, rows)
         results.write_csv(collectives_out, collective_rows)
