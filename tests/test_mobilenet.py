@@ -84,7 +84,7 @@ def test_torchvisions_own_state_dict_loads_and_gives_its_logits():  # pragma: no
     import torch
     import torchvision
 
-    config = ModelConfig(name="mobilenet_v2", num_classes=1000)
+    config = ModelConfig(name="mobilenet_v2", num_classes=1000, stem="imagenet")  # torchvision's stem at 64 pixels
     reference = torchvision.models.mobilenet_v2().eval()
     model = build_model(config, (64, 64, 3), seed=0)
     load_torchvision(model, config, {k: v.numpy() for k, v in reference.state_dict().items()})
