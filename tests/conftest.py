@@ -6,8 +6,12 @@ The commands' compile cache goes to a directory of the session's own, never
 same program share it."""
 
 import atexit
+import fcntl
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 PLATFORMS_GIVEN = os.environ.get("JAX_PLATFORMS")  # what the user's environment said, for test_accelerator
@@ -169,3 +173,28 @@ def train_losses(
     )
     result = fit(program, program.init(), data, None, config, progress=False)
     return np.asarray(result.loss_history), result.state, program
+
+
+# The stop and cluster tests' run: a tiny CNN on the bundled digits, 2 epochs of 89 steps on 4
+# devices; not --quiet: those tests time their signals by its epoch lines
+TWO_EPOCHS_ON_4 = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "16", "--epochs", "2",
+                   "--mesh", "data=4"]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def uninterrupted() -> dict:
+    """The run record of TWO_EPOCHS_ON_4 in one process, never stopped: what every stopped,
+    requeued or restarted run of it must end with. Run once per session: the first of
+    pytest-xdist's workers to ask runs it (the others wait on the lock) and leaves it in the
+    session's directory."""
+    shared = Path(os.environ["JAXCNN_TEST_CACHE"]) / "uninterrupted"
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = shared / "ref" / "ref.json"
+        if not record.exists():
+            proc = subprocess.run([sys.executable, str(REPO / "experiments/train.py"), *TWO_EPOCHS_ON_4,
+                                   "--host-devices", "4", "--results-dir", str(shared), "--run-name", "ref", "--quiet"],
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(record.read_text())

@@ -22,14 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, TWO_EPOCHS_ON_4
 from slurm_cluster import ClusterUnavailable, SlurmCluster
 
 pytestmark = pytest.mark.slow
 
-# a tiny CNN on the bundled digits: 2 epochs of 89 steps; not --quiet: the tests time their signals by its epoch lines
-FLAGS = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "16", "--epochs", "2",
-         "--mesh", "data=4"]  # fmt: skip
+FLAGS = TWO_EPOCHS_ON_4  # the uninterrupted run's: a tiny CNN, 2 epochs of the digits on 4 devices
 PERIODIC = ["--checkpoint-every", "20"]  # the scripts' own --checkpoint-every 500, as often as this run allows
 JOB_LIMIT_S = 420  # a job, start to end, its requeues included (an instance takes under a minute unloaded)
 RUN = "jaxcnn-run"  # the scripts' --run-name
@@ -53,15 +51,10 @@ def cluster(tmp_path_factory):
     started.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
+@pytest.fixture
+def reference(uninterrupted) -> list[float]:
     """Every step's loss of one process of 4 devices, never stopped."""
-    results = tmp_path_factory.mktemp("reference")
-    proc = subprocess.run([sys.executable, str(REPO / "experiments/train.py"), *FLAGS, "--host-devices", "4",
-                           "--results-dir", str(results), "--run-name", "ref", "--quiet"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads((results / "ref" / "ref.json").read_text())["loss_history"]
+    return uninterrupted["loss_history"]
 
 
 def job_dir(tmp_path: Path) -> Path:
@@ -150,14 +143,6 @@ def test_one_task_per_node_runs_to_the_end_with_its_cpus(cluster, reference, tmp
     assert record["launch"]["cpus"] == CPUS and record["launch"]["slurm_cpus_per_task"] == str(CPUS), record["launch"]
 
 
-def test_two_tasks_on_the_node_run_to_the_end(cluster, reference, tmp_path):
-    """slurm-task-per-gpu.sbatch: two processes on the node, one CPU each, joined by SLURM's variables."""
-    where = job_dir(tmp_path)
-    watch = Watch(cluster, submit(cluster, where, "slurm-task-per-gpu.sbatch", 2), where)
-    record = assert_finished_like_one_process(watch, reference, restarts=0)
-    assert (record["num_processes"], record["launch"]["launcher"], record["launch"]["cpus"]) == (2, "slurm", 1)
-
-
 def test_time_limit_stops_saves_requeues_and_finishes(cluster, reference, tmp_path):
     """slurm-gpus-per-task.sbatch under a 1-minute limit, USR1 to the tasks 55 s before it:
     every task stops at one step and saves, process 0 requeues the job, and the job comes back
@@ -212,15 +197,17 @@ def task_pid(job: str, process_id: int) -> int:
 
 
 def test_a_killed_task_restarts_from_the_last_checkpoint(cluster, reference, tmp_path):
-    """slurm-task-per-gpu.sbatch: process 1 killed outright (SIGKILL) once a periodic checkpoint
-    is saved; srun ends the step (--kill-on-bad-exit) and srun-restarting.sh starts both tasks
-    again from the last checkpoint, within the same job (no requeue)."""
+    """slurm-task-per-gpu.sbatch: two processes on the node, one CPU each, joined by SLURM's
+    variables; process 1 killed outright (SIGKILL) once a periodic checkpoint is saved; srun ends
+    the step (--kill-on-bad-exit) and srun-restarting.sh starts both tasks again from the last
+    checkpoint, within the same job (no requeue)."""
     where = job_dir(tmp_path)
     watch = Watch(cluster, submit(cluster, where, "slurm-task-per-gpu.sbatch", 2), where)
     saved = where / "checkpoints" / RUN
     watch.until("a periodic checkpoint", lambda _: saved.is_dir() and any(p.name == "40" for p in saved.iterdir()))
     os.kill(task_pid(watch.job, 1), signal.SIGKILL)
-    assert_finished_like_one_process(watch, reference, restarts=0, peer_killed=True)
+    record = assert_finished_like_one_process(watch, reference, restarts=0, peer_killed=True)
+    assert (record["num_processes"], record["launch"]["launcher"], record["launch"]["cpus"]) == (2, "slurm", 1)
     log = watch.log
     assert "srun-restarting.sh: a task failed" in log and "restart 1 of 3" in log, log
     resumed = [int(step) for step in re.findall(r"resuming from step (\d+)", log)]

@@ -17,24 +17,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, load_script
+from conftest import REPO, TWO_EPOCHS_ON_4, load_script
 
 TRAIN, LAUNCH = REPO / "experiments/train.py", REPO / "experiments/launch_local.py"
 RUN_LIMIT_S = 300  # a launch, start to end (they take well under a minute)
 STEPS_PER_EPOCH = 89  # the bundled digits' 1,437 training images in batches of 16
-# not --quiet: the tests time their signals by process 0's epoch lines
-FLAGS = ["--conv-features", "8,16,16", "--dense-features", "32,16", "--batch-size", "16", "--epochs", "2",
-         "--mesh", "data=4"]  # fmt: skip
+FLAGS = TWO_EPOCHS_ON_4  # not --quiet: the tests time their signals by process 0's epoch lines
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
+@pytest.fixture
+def reference(uninterrupted) -> dict:
     """One process of 4 devices, never stopped."""
-    results = tmp_path_factory.mktemp("reference")
-    proc = subprocess.run([sys.executable, str(TRAIN), *FLAGS, "--host-devices", "4", "--results-dir", str(results),
-                           "--run-name", "ref"], capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads((results / "ref" / "ref.json").read_text())
+    return uninterrupted
 
 
 def children(pid: int) -> dict[int, int]:
