@@ -95,9 +95,6 @@ def build_program(
         image_dtype=image_dtype, on_device=on_device, steps_per_call=steps_per_call,
     )  # fmt: skip
     if layout.stage_axis:
-        if optim_config.freeze or optim_config.backbone_lr is not None:
-            raise UserError("--freeze and --backbone-lr apply to every layout but the pipeline (its stages' "
-                            "optimizers see their own paths); --init-from works there")  # fmt: skip
         if isinstance(model_config, CustomModel):
             raise UserError(
                 f"a model of your own ({model_config.name}) runs under every layout but the pipeline, whose stages "

@@ -41,10 +41,11 @@ def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(
-    config: OptimConfig, total_steps: int, model: ModelConfig | None = None
+    config: OptimConfig, total_steps: int, model: ModelConfig | None = None, rename: dict[str, str] | None = None
 ) -> optax.GradientTransformation:
     """The optimizer; with --freeze or --backbone-lr, its updates then scaled per part of the
-    `model` (jaxcnn.models.model_parts), each parameter's part read from its path."""
+    `model` (jaxcnn.models.model_parts), each parameter's part read from its path -- the
+    model's, or `rename`d to it (a pipeline chunk's "units/0/conv/kernel")."""
     tx = _optimizer(config, total_steps)
     if not config.freeze and config.backbone_lr is None:
         return tx
@@ -54,7 +55,8 @@ def make_optimizer(
     unknown = [p for p in config.freeze if p not in (BACKBONE, *parts)]
     if unknown:
         raise UserError(f"--freeze {unknown[0]!r}: {model.name}'s parts are {', '.join(parts)} (or 'backbone')")
-    return optax.chain(tx, _scale_by_part(config, part_of(model)))
+    part, rename = part_of(model), rename or {}
+    return optax.chain(tx, _scale_by_part(config, lambda path: part(rename.get(path, path))))
 
 
 def _scale_by_part(config: OptimConfig, part_of_path: Callable[[str], str]) -> optax.GradientTransformation:

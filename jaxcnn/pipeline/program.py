@@ -158,9 +158,9 @@ def _lower_chunk(cut, placed, fns: ChunkFunctions, c: int, x_sh, y_sh, rep, labe
                     out_shardings=(sh.params, x_sh if c > 0 else None), donate_argnums=(6,))
             .lower(params_sds, stats_sds, x_sds, mb_sds, key_sds, dy_sds, params_sds)
         )  # fmt: skip
-        prog["update"] = jax.jit(fns.update, out_shardings=(sh.params, sh.opt_state), donate_argnums=(0, 1)).lower(
-            params_sds, opt_sds, params_sds
-        )
+        prog["update"] = jax.jit(
+            lambda p, o, g: fns.update(c, p, o, g), out_shardings=(sh.params, sh.opt_state), donate_argnums=(0, 1)
+        ).lower(params_sds, opt_sds, params_sds)
         prog["zeros"] = jax.jit(lambda: fns.zeros(c), out_shardings=sh.params).lower()
     else:
         labels_sds = jax.ShapeDtypeStruct((cut.microbatches, cut.micro), jnp.int32, sharding=labels_sh)

@@ -21,6 +21,7 @@ from jaxcnn.models import build_model, cross_entropy, resolve_kernels, unit_pixe
 from jaxcnn.optim import apply_optimizer, make_optimizer, optimizer_shardings
 from jaxcnn.pipeline.schedule import Action, StageState, stage_orders, ticks
 from jaxcnn.pipeline.split import Stage, check_stages_within_processes, stage_groups, sub_meshes
+from jaxcnn.pipeline.state import StateForms
 from jaxcnn.program import ProgramSpec
 from jaxcnn.sharding import axes as ax
 from jaxcnn.sharding.layouts import DP
@@ -50,7 +51,7 @@ class PipelineCut:
     data_ways: int  # devices in a stage
     act_dtype: Any  # activations cross stages in the compute dtype (bfloat16 halves the bytes sent)
     pixels: Any  # stage 0's input dtype; uint8 is scaled in its programs (unit_pixels)
-    tx: Any  # the optimizer
+    txs: list  # per chunk, the optimizer (--freeze / --backbone-lr read the chunk's paths as the model's)
 
     @property
     def micro(self) -> int:
@@ -66,7 +67,7 @@ class PipelineCut:
 
     def init_chunk(self, c: int) -> StageState:
         _, params, stats = nnx.split(self.stage_module(c), nnx.Param, ...)
-        return StageState(params, stats, self.tx.init(params))
+        return StageState(params, stats, self.txs[c].init(params))
 
 
 def cut_model(
@@ -86,8 +87,25 @@ def cut_model(
         spec, model_config, platform, groups, num_stages, chunks, microbatches, meshes,
         timeline=ticks(stage_orders(schedule, num_stages, virtual_stages, microbatches), chunks),
         data_ways=math.prod(meshes[0].shape.values()), act_dtype=jnp.dtype(model_config.dtype),
-        pixels=jnp.dtype(spec.image_dtype), tx=make_optimizer(spec.optim_config, spec.total_steps),
+        pixels=jnp.dtype(spec.image_dtype), txs=chunk_optimizers(spec, model_config, groups),
     )  # fmt: skip
+
+
+def chunk_optimizers(spec: ProgramSpec, model_config: ModelConfig, groups: list[range]) -> list:
+    """Each chunk's optimizer: one for all, unless --freeze or --backbone-lr must tell the
+    model's parts apart by the chunks' own paths."""
+    optim = spec.optim_config
+    if not optim.freeze and optim.backbone_lr is None:
+        return [make_optimizer(optim, spec.total_steps)] * len(groups)
+    forms = StateForms.of(model_config, spec.image_shape, groups)
+    return [
+        make_optimizer(optim, spec.total_steps, model_config, {_key(k): _key(v) for k, v in to_model.items()})
+        for to_model in forms.to_model
+    ]
+
+
+def _key(path: tuple) -> str:
+    return "/".join(map(str, path))
 
 
 @dataclass(frozen=True)
@@ -113,7 +131,7 @@ def place_chunks(cut: PipelineCut) -> PlacedChunks:
         graphdefs.append(nnx.graphdef(nnx.eval_shape(lambda c=c: cut.stage_module(c))))
         p_sh, rows = place_variables(state.params, DP, sub)
         st_sh, st_rows = place_variables(state.stats, DP, sub)
-        o_sh = optimizer_shardings(cut.tx, state.opt_state, p_sh, sub)
+        o_sh = optimizer_shardings(cut.txs[c], state.opt_state, p_sh, sub)
         shardings.append(StageState(p_sh, st_sh, o_sh))
         placements += [
             ParamPlacement(f"stage{c}/{r.path}", r.logical, r.shape, r.dtype, r.spec, r.bytes_per_device, r.notes)
@@ -195,11 +213,11 @@ class ChunkFunctions:
         totals = (totals[0] + loss, totals[1] + correct)
         return jax.tree.map(jnp.add, acc, dp), (dx if c > 0 else None), new_stats, totals
 
-    def update(self, params, opt_state, grads):
-        return apply_optimizer(self.cut.tx, grads, opt_state, params)
+    def update(self, c, params, opt_state, grads):
+        return apply_optimizer(self.cut.txs[c], grads, opt_state, params)
 
     def update_last(self, params, opt_state, grads, totals):
-        params, opt_state = apply_optimizer(self.cut.tx, grads, opt_state, params)
+        params, opt_state = apply_optimizer(self.cut.txs[self.last_chunk], grads, opt_state, params)
         return params, opt_state, {"loss": totals[0], "accuracy": totals[1] / self.cut.spec.batch_size}
 
     def zeros(self, c):
