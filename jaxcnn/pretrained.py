@@ -143,7 +143,7 @@ def read_plan(config: ModelConfig, image_shape: tuple[int, int, int], file: str 
     reinit = []
     for key, (path, how) in keys.items():
         want = torch_shape(how, shapes[path])
-        if found[key] == want:
+        if found[key] == want or (how == "linear" and found[key] == (*want, 1, 1)):  # timm's 1x1-conv MLPs
             continue
         if not (path.startswith(head) and _only_classes_differ(how, want, found[key])):
             raise UserError(f"{where}: {key!r} is {found[key]} in the file, {config.name} here needs {want} "

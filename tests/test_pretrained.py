@@ -321,3 +321,44 @@ def test_local_sgd_replicas_and_stale_history_all_start_from_the_file(tmp_path):
         if path in replicas:
             assert all(np.array_equal(replica, value) for replica in replicas[path])
             assert np.array_equal(previous[path], value)
+
+
+def test_timm_s_1x1_conv_mlp_loads_as_its_linear_twin(tmp_path):
+    """timm's small ConvNeXts (atto..nano, conv_mlp) hold their MLP as 1x1 convs (O, I, 1, 1)."""
+    config, image_shape = CONVNEXT, (16, 16, 3)
+    tensors = write_file(tmp_path / "linear.safetensors", config, image_shape, "timm")
+    convs = {k: v[..., None, None] if ".mlp.fc" in k and k.endswith("weight") else v for k, v in tensors.items()}
+    save_file(convs, str(tmp_path / "conv.safetensors"))
+    state = load_pretrained(WholeState, fresh(config, image_shape),
+                            read_plan(config, image_shape, tmp_path / "conv.safetensors"))  # fmt: skip
+    back = written_back(state, config, "timm", tmp_path / "back.safetensors")
+    assert any(v.ndim == 4 for k, v in convs.items() if ".mlp." in k)
+    assert all(np.array_equal(back[k], tensors[k]) for k in tensors)  # written back as Linear weights
+
+
+@pytest.mark.parametrize("name", ["convnext_atto", "convnext_tiny"])
+def test_timm_random_weights_give_jaxcnn_the_same_logits(tmp_path, name, capsys):  # pragma: no cover
+    torch = pytest.importorskip("torch", reason="torch is not installed: the timm logits check needs it")
+    timm = pytest.importorskip("timm", reason="timm is not installed: the timm logits check needs it")
+    torch.manual_seed(0)
+    reference = timm.create_model(name, pretrained=False).eval()  # atto: a 1x1-conv MLP; tiny: Linear
+    with torch.no_grad():
+        for key, tensor in reference.state_dict().items():
+            if key.endswith("gamma"):  # layer scale away from its initial 1e-6
+                tensor.normal_(0, 0.5)
+    save_file({k: v.numpy() for k, v in reference.state_dict().items()}, str(tmp_path / "timm.safetensors"))
+    config, image_shape = ModelConfig(name=name, num_classes=1000, stem="imagenet"), (64, 64, 3)
+    plan = read_plan(config, image_shape, tmp_path / "timm.safetensors")
+    assert plan.scheme == "timm"
+    state = load_pretrained(WholeState, fresh(config, image_shape), plan)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: initialised(config, image_shape, seed=1)))
+    images = np.random.default_rng(0).random((4, *image_shape), np.float32)
+    forward = jax.jit(lambda params, stats, x: nnx.merge(graphdef, params, stats)(x, train=False))
+    ours = np.asarray(forward(state.params, state.model_state, images))
+    with torch.no_grad():
+        theirs = reference(torch.from_numpy(images.transpose(0, 3, 1, 2))).numpy()
+    diff = np.abs(ours - theirs)
+    with capsys.disabled():
+        print(f"\ntimm {name}: logits max |diff| {diff.max():.3g}, max |diff| / the largest |logit| "
+              f"{diff.max() / np.abs(theirs).max():.3g}")  # fmt: skip
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())

@@ -25,7 +25,8 @@ from jaxcnn.models.mobilenet import mobilenet_widths
 
 TRANSFORMS = {
     "conv": lambda w: np.transpose(w, (2, 3, 1, 0)),
-    "linear": lambda w: np.transpose(w),
+    # a Linear's (O, I), or timm's 1x1-conv MLP's (O, I, 1, 1) (conv_mlp: convnext_atto..nano)
+    "linear": lambda w: np.transpose(w.reshape(w.shape[0], -1)),
     "vector": lambda w: w,
     "layer_scale": lambda w: w.reshape(w.shape[0]),
 }
