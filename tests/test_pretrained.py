@@ -251,6 +251,27 @@ def test_a_resumed_run_continues_its_checkpoint_without_the_file(tmp_path, capsy
     assert again["resumed_from_step"] == 2 and again["loss_history"] == full["loss_history"]
 
 
+def same_logits(torch, reference, state_dict, config, tmp_path, label, capsys):
+    """`state_dict` through a safetensors file into jaxcnn's `config` (4 random 64x64 images):
+    its logits against torch's `reference`, the figures printed; (the loaded state, the plan)."""
+    save_file(state_dict, str(tmp_path / "weights.safetensors"))
+    image_shape = (64, 64, 3)
+    plan = read_plan(config, image_shape, tmp_path / "weights.safetensors")
+    state = load_pretrained(WholeState, fresh(config, image_shape), plan)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: initialised(config, image_shape, seed=1)))
+    images = np.random.default_rng(0).random((4, *image_shape), np.float32)
+    forward = jax.jit(lambda params, stats, x: nnx.merge(graphdef, params, stats)(x, train=False))  # weights as inputs
+    ours = np.asarray(forward(state.params, state.model_state, images))
+    with torch.no_grad():
+        theirs = reference(torch.from_numpy(images.transpose(0, 3, 1, 2))).numpy()
+    diff = np.abs(ours - theirs)
+    with capsys.disabled():
+        print(f"\n{label}: logits max |diff| {diff.max():.3g}, max |diff| / |torch's| {(diff / np.abs(theirs)).max():.3g}, "
+              f"max |diff| / the largest |logit| {diff.max() / np.abs(theirs).max():.3g}")  # fmt: skip
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+    return state, plan
+
+
 # --- with torch: torchvision's own models, random weights, give jaxcnn's logits -----------------
 
 TORCH_MODELS = {  # torchvision's builder, jaxcnn's config (torchvision's widths; the 7x7 / patch-4 stems)
@@ -274,21 +295,7 @@ def test_torchvision_random_weights_give_jaxcnn_the_same_logits(tmp_path, name, 
             elif key.endswith("running_var"):
                 tensor.uniform_(0.5, 2.0)
     state_dict = {k: v.numpy() for k, v in reference.state_dict().items()}
-    save_file(state_dict, str(tmp_path / f"{name}.safetensors"))
-    image_shape = (64, 64, 3)
-    plan = read_plan(config, image_shape, tmp_path / f"{name}.safetensors")
-    state = load_pretrained(WholeState, fresh(config, image_shape), plan)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: initialised(config, image_shape, seed=1)))
-    images = np.random.default_rng(0).random((4, *image_shape), np.float32)
-    forward = jax.jit(lambda params, stats, x: nnx.merge(graphdef, params, stats)(x, train=False))  # weights as inputs
-    ours = np.asarray(forward(state.params, state.model_state, images))
-    with torch.no_grad():
-        theirs = reference(torch.from_numpy(images.transpose(0, 3, 1, 2))).numpy()
-    diff = np.abs(ours - theirs)
-    with capsys.disabled():
-        print(f"\n{name}: logits max |diff| {diff.max():.3g}, max |diff| / |torch's| {(diff / np.abs(theirs)).max():.3g}, "
-              f"max |diff| / the largest |logit| {diff.max() / np.abs(theirs).max():.3g}")  # fmt: skip
-    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+    state, _ = same_logits(torch, reference, state_dict, config, tmp_path, name, capsys)
     back = written_back(state, config, "torchvision", tmp_path / "back.safetensors")
     assert all(np.array_equal(back[k], state_dict[k]) for k in back)
 
@@ -346,19 +353,7 @@ def test_timm_random_weights_give_jaxcnn_the_same_logits(tmp_path, name, capsys)
         for key, tensor in reference.state_dict().items():
             if key.endswith("gamma"):  # layer scale away from its initial 1e-6
                 tensor.normal_(0, 0.5)
-    save_file({k: v.numpy() for k, v in reference.state_dict().items()}, str(tmp_path / "timm.safetensors"))
-    config, image_shape = ModelConfig(name=name, num_classes=1000, stem="imagenet"), (64, 64, 3)
-    plan = read_plan(config, image_shape, tmp_path / "timm.safetensors")
+    config = ModelConfig(name=name, num_classes=1000, stem="imagenet")
+    state_dict = {k: v.numpy() for k, v in reference.state_dict().items()}
+    _, plan = same_logits(torch, reference, state_dict, config, tmp_path, f"timm {name}", capsys)
     assert plan.scheme == "timm"
-    state = load_pretrained(WholeState, fresh(config, image_shape), plan)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: initialised(config, image_shape, seed=1)))
-    images = np.random.default_rng(0).random((4, *image_shape), np.float32)
-    forward = jax.jit(lambda params, stats, x: nnx.merge(graphdef, params, stats)(x, train=False))
-    ours = np.asarray(forward(state.params, state.model_state, images))
-    with torch.no_grad():
-        theirs = reference(torch.from_numpy(images.transpose(0, 3, 1, 2))).numpy()
-    diff = np.abs(ours - theirs)
-    with capsys.disabled():
-        print(f"\ntimm {name}: logits max |diff| {diff.max():.3g}, max |diff| / the largest |logit| "
-              f"{diff.max() / np.abs(theirs).max():.3g}")  # fmt: skip
-    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
