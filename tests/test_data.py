@@ -331,11 +331,11 @@ def test_a_loader_slower_than_the_step_idles_the_devices_by_the_difference(timed
         steady = slow.train_seconds - slow.extra["first_step_seconds"]
         expected = 1 - (IDLE_STEPS - 1) * step / steady
         attempts.append((round(slow.input_wait_fraction, 3), round(expected, 3)))
-        # within 10 points: the step is timed apart from the run, and another test computing on
+        # within 20 points: the step is timed apart from the run, and another test computing on
         # the same two cores slows the run's steps more than those (under -n 2 the clock read
-        # 6-16 points below the expected 50%; a clock that missed the stalls, or counted the
-        # pipeline's start, would be 40-50 points off)
-        if abs(slow.input_wait_fraction - expected) < 0.1:
+        # 6-18 points below the expected 50%, the last beside the SLURM tests' processes; a
+        # clock that missed the stalls, or counted the pipeline's start, would be 40-50 points off)
+        if abs(slow.input_wait_fraction - expected) < 0.2:
             break
     else:
         pytest.fail(f"devices idle for input vs expected, each attempt: {attempts}")
